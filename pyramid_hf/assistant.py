@@ -1,0 +1,128 @@
+"""`PyramidAssistant`: what users pass as ``generate(assistant_model=...)``."""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation import CandidateGenerator, PromptLookupCandidateGenerator
+
+from . import _hf
+from .candidate_generator import PyramidCandidateGenerator
+from .config import PyramidConfig
+from .levels import ModelLevel, vocab_size_of
+from .stats import PyramidStats
+
+_hf.install()
+
+PROMPT_LOOKUP = "prompt_lookup"
+
+
+class PyramidAssistant:
+    """A qualifier model that filters a draft, used as the target's assistant.
+
+    Args:
+        qualifier: the middle model (a causal LM sharing the target's tokenizer).
+        draft: the bottom level: a causal LM, ``"prompt_lookup"`` (free n-gram drafting over the prompt and
+            the text so far), any Transformers `CandidateGenerator` instance, or None (the qualifier drafts
+            alone: plain two-model speculative decoding).
+        config: a `PyramidConfig` (defaults: exact rules, l_D=4, l_Q=8).
+        lookup_ngram_size: longest n-gram matched by ``"prompt_lookup"``.
+
+    After each ``generate()`` call, ``stats`` holds that call's counts and ``total_stats`` the sum over
+    all calls since construction or ``reset_stats()``.
+
+    Transformers' assistant options (``num_assistant_tokens``, ``assistant_confidence_threshold``, their
+    "heuristic" schedules) do not apply: the draft always proposes ``config.draft_tokens`` tokens (fewer only at
+    an end-of-sequence token or the length limit) and ``config.schedule`` is the only schedule.
+    """
+
+    _is_pyramid_assistant = True
+
+    def __init__(self, qualifier, draft=None, config: PyramidConfig | None = None, lookup_ngram_size: int = 2):
+        if config is None:
+            config = PyramidConfig()
+        if not isinstance(config, PyramidConfig):
+            raise TypeError(f"config must be a PyramidConfig, got {type(config).__name__}")
+        if not hasattr(qualifier, "forward") or not hasattr(qualifier, "config"):
+            raise TypeError(f"qualifier must be a causal LM model, got {type(qualifier).__name__}")
+        if isinstance(draft, str) and draft != PROMPT_LOOKUP:
+            raise ValueError(f"draft must be a model, {PROMPT_LOOKUP!r}, a CandidateGenerator or None; got {draft!r}")
+        if draft is not None and not isinstance(draft, (str, CandidateGenerator)):
+            if not hasattr(draft, "forward") or not hasattr(draft, "config"):
+                raise TypeError(f"draft must be a model, {PROMPT_LOOKUP!r}, a CandidateGenerator or None; "
+                                f"got {type(draft).__name__}")
+            if vocab_size_of(draft) != vocab_size_of(qualifier):
+                raise ValueError(
+                    f"draft and qualifier have different vocabularies ({vocab_size_of(draft)} vs "
+                    f"{vocab_size_of(qualifier)} tokens); a pyramid needs one shared tokenizer"
+                )
+        if isinstance(lookup_ngram_size, bool) or not isinstance(lookup_ngram_size, int) or lookup_ngram_size < 1:
+            raise ValueError(f"lookup_ngram_size must be a positive integer, got {lookup_ngram_size!r}")
+        self.qualifier = qualifier
+        self.draft = draft
+        self.config = config
+        self.lookup_ngram_size = lookup_ngram_size
+        self.stats = PyramidStats()
+        self.total_stats = PyramidStats()
+
+    # Transformers reads a few attributes of an assistant before decoding starts.
+    @property
+    def device(self):
+        return self.qualifier.device
+
+    @property
+    def draft_kind(self) -> str:
+        if self.draft is None:
+            return "none"
+        if isinstance(self.draft, str):
+            return self.draft
+        return "candidate_generator" if isinstance(self.draft, CandidateGenerator) else "model"
+
+    def reset_stats(self) -> None:
+        self.stats.reset()
+        self.total_stats.reset()
+
+    def check_compatible(self, target) -> None:
+        """Raise ValueError when ``target`` cannot be verified against this pyramid."""
+        target_vocab = vocab_size_of(target)
+        for name, model in (("qualifier", self.qualifier), ("draft", self.draft)):
+            if self.draft_kind != "model" and name == "draft":
+                continue
+            if vocab_size_of(model) != target_vocab:
+                raise ValueError(
+                    f"the {name} and the target have different vocabularies ({vocab_size_of(model)} vs "
+                    f"{target_vocab} tokens); a pyramid needs one shared tokenizer"
+                )
+
+    # ------------------------------------------------------------------ called by the decoding loop
+    def _begin_call(self) -> PyramidStats:
+        return PyramidStats(generate_calls=1)
+
+    def _end_call(self, stats: PyramidStats) -> None:
+        self.stats = stats
+        self.total_stats.add(stats)
+
+    def build_candidate_generator(self, target, logits_processor, generation_config, stats, attention_mask=None):
+        """A fresh `PyramidCandidateGenerator` (fresh caches) for one generate() call."""
+        qualifier = ModelLevel(self.qualifier, "qualifier", stats)
+        if self.draft_kind == "model":
+            draft = ModelLevel(self.draft, "draft", stats)
+        elif self.draft_kind == PROMPT_LOOKUP:
+            eos = generation_config.eos_token_id
+            eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos))
+            draft = PromptLookupCandidateGenerator(
+                eos_token_id=eos,
+                num_output_tokens=self.config.draft_tokens * 4,  # the heuristic schedule may grow l_D
+                max_matching_ngram_size=self.lookup_ngram_size,
+                max_length=generation_config.max_length,
+                logits_processor=logits_processor,
+                vocab_size=vocab_size_of(target),
+            )
+        else:
+            draft = self.draft
+        return PyramidCandidateGenerator(
+            qualifier, draft, self.config, logits_processor, generation_config, stats, attention_mask
+        )
+
+    def __repr__(self) -> str:
+        return (f"PyramidAssistant(qualifier={type(self.qualifier).__name__}, draft={self.draft_kind}, "
+                f"config={self.config})")

@@ -1,0 +1,164 @@
+"""The inner stage of the pyramid as a Transformers `CandidateGenerator`: draft -> qualifier.
+
+`get_candidates` builds one block of up to ``l_Q`` qualifier tokens by repeating inner rounds:
+the draft proposes up to ``l_D`` tokens, the qualifier checks them in one forward pass and the
+inner rule keeps a prefix plus one token of the qualifier's own. The block goes to the target
+together with the qualifier's processed logits, i.e. the distributions its tokens are distributed
+by, which is what lossless verification at the target needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation import CandidateGenerator
+
+from .acceptance import get_rule
+from .config import PyramidConfig
+from .levels import ModelLevel
+from .stats import PyramidStats
+
+
+def process_rows(logits_processor, prefix_ids: torch.Tensor, row_logits: torch.Tensor) -> torch.Tensor:
+    """Apply ``logits_processor`` to rows predicting positions after ``prefix_ids[:, :L - n + 1 + i]``.
+
+    prefix_ids (1, L) holds the sequence whose last ``n - 1`` tokens are being verified;
+    row_logits (n, V); returns processed (n, V).
+    """
+    if logits_processor is None or len(logits_processor) == 0:
+        return row_logits
+    n = row_logits.shape[0]
+    start = prefix_ids.shape[1] - n + 1
+    rows = [logits_processor(prefix_ids[:, : start + i], row_logits[i : i + 1]) for i in range(n)]
+    return torch.cat(rows, dim=0)
+
+
+def pick_token(probs_row: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    return torch.multinomial(probs_row, 1).squeeze(0) if do_sample else probs_row.argmax(-1)
+
+
+def heuristic_update(current: int, proposed: int, accepted: int, initial: int) -> int:
+    """Grow by 2 after a round that kept every proposal, shrink by 1 otherwise; within [1, 4 x initial]."""
+    if proposed == 0:
+        return current
+    return min(4 * initial, current + 2) if accepted == proposed else max(1, current - 1)
+
+
+class PyramidCandidateGenerator(CandidateGenerator):
+    """Draft -> qualifier. ``draft`` is a `ModelLevel`, any `CandidateGenerator`, or None (qualifier alone)."""
+
+    def __init__(
+        self,
+        qualifier: ModelLevel,
+        draft: ModelLevel | CandidateGenerator | None,
+        config: PyramidConfig,
+        logits_processor,
+        generation_config,
+        stats: PyramidStats,
+        attention_mask: torch.Tensor | None = None,
+    ):
+        self.qualifier = qualifier
+        self.draft = draft
+        self.config = config
+        self.logits_processor = logits_processor
+        self.do_sample = bool(generation_config.do_sample)
+        self.max_length = generation_config.max_length
+        eos = generation_config.eos_token_id
+        self.eos_token_ids = set([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
+        self.stats = stats
+        self.attention_mask = attention_mask
+        self.inner_rule = get_rule(config.qualifier_rule)
+        self.draft_tokens = config.draft_tokens
+        self.qualifier_tokens = config.qualifier_tokens
+
+    # ------------------------------------------------------------------ masks
+    def _mask(self, length: int) -> torch.Tensor | None:
+        if self.attention_mask is None:
+            return None
+        extra = length - self.attention_mask.shape[1]
+        if extra > 0:
+            ones = self.attention_mask.new_ones(1, extra)
+            self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
+        return self.attention_mask
+
+    def _probs(self, prefix_ids: torch.Tensor, row_logits: torch.Tensor) -> torch.Tensor:
+        return process_rows(self.logits_processor, prefix_ids, row_logits).softmax(-1)
+
+    # ------------------------------------------------------------------ the draft level
+    def _propose(self, seq: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Up to k draft tokens after ``seq`` (1, L): ids (k',), processed probs (k', V) or None."""
+        empty = seq.new_empty(0)
+        if k == 0 or self.draft is None:
+            return empty, None
+        if isinstance(self.draft, ModelLevel):
+            ids, probs = [], []
+            cur = seq
+            for _ in range(k):
+                logits = self.draft.next_token_logits(cur, 1, self._mask(cur.shape[1]))
+                p = self._probs(cur, logits)[0]
+                token = pick_token(p, self.do_sample)
+                ids.append(token)
+                probs.append(p)
+                cur = torch.cat([cur, token.view(1, 1)], dim=1)
+                if int(token) in self.eos_token_ids:
+                    break
+            return torch.stack(ids), torch.stack(probs)
+        out_ids, out_logits = self.draft.get_candidates(seq)
+        ids = out_ids[0, seq.shape[1] : seq.shape[1] + k].to(seq.device)
+        if out_logits is None or ids.numel() == 0:
+            return ids, None
+        return ids, out_logits[0, : ids.numel()].to(device=seq.device, dtype=torch.float32).softmax(-1)
+
+    # ------------------------------------------------------------------ one inner round
+    def _inner_round(self, seq: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft k, verify with the qualifier: returns new qualifier-level ids (m,) and their probs (m, V)."""
+        draft_ids, draft_probs = self._propose(seq, k)
+        proposed = torch.cat([seq, draft_ids.view(1, -1)], dim=1)
+        n_draft = draft_ids.shape[0]
+        logits = self.qualifier.next_token_logits(proposed, n_draft + 1, self._mask(proposed.shape[1]))
+        qualifier_probs = self._probs(proposed, logits)  # (n_draft + 1, V)
+        if n_draft:
+            n, next_token = self.inner_rule(
+                draft_ids, draft_probs, qualifier_probs,
+                do_sample=self.do_sample, tau=self.config.tau_qualifier, divergence=self.config.divergence,
+            )
+        else:
+            n, next_token = 0, pick_token(qualifier_probs[0], self.do_sample)
+        self.stats.record_inner(n_draft, n)
+        if isinstance(self.draft, CandidateGenerator):
+            self.draft.update_candidate_strategy(proposed, logits[None], n)
+        if self.config.schedule == "heuristic" and self.draft is not None:
+            self.draft_tokens = heuristic_update(self.draft_tokens, n_draft, n, self.config.draft_tokens)
+        new_ids = torch.cat([draft_ids[:n], next_token.view(1)])
+        return new_ids, qualifier_probs[: n + 1]
+
+    # ------------------------------------------------------------------ CandidateGenerator API
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Returns (input_ids + block (1, L + m), the qualifier's processed logits for the block (1, m, V))."""
+        budget = min(self.qualifier_tokens, self.max_length - input_ids.shape[1] - 1)
+        if budget <= 0:
+            return input_ids, None
+        block_ids, block_probs = [], []
+        seq, size = input_ids, 0
+        while size < budget:
+            k = min(self.draft_tokens, budget - size)
+            new_ids, new_probs = self._inner_round(seq, k)
+            block_ids.append(new_ids)
+            block_probs.append(new_probs)
+            seq = torch.cat([seq, new_ids.view(1, -1)], dim=1)
+            size += new_ids.shape[0]
+            if self.eos_token_ids and any(int(t) in self.eos_token_ids for t in new_ids):
+                break
+        ids = torch.cat(block_ids)[:budget]
+        probs = torch.cat(block_probs)[:budget]
+        eos_at = [i for i, t in enumerate(ids.tolist()) if t in self.eos_token_ids]
+        if eos_at:  # nothing after an end-of-sequence token is worth verifying
+            ids, probs = ids[: eos_at[0] + 1], probs[: eos_at[0] + 1]
+        return torch.cat([input_ids, ids.view(1, -1)], dim=1), probs.log()[None]
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        """Called after the target's verification with the number of block tokens it kept."""
+        if self.config.schedule == "heuristic":
+            proposed = int(scores.shape[-2]) - 1 if scores is not None else num_matches
+            self.qualifier_tokens = heuristic_update(
+                self.qualifier_tokens, proposed, int(num_matches), self.config.qualifier_tokens
+            )

@@ -1,0 +1,83 @@
+"""One level of the pyramid: a model with its own KV cache, on its own device and dtype.
+
+A `ModelLevel` remembers which token ids its cache holds. Asked for the next-token logits of the
+last ``n`` positions of a sequence, it keeps the longest cached prefix that still agrees with the
+sequence, crops the rest (so every rejection at any stage is rolled back automatically), feeds
+only the new tokens, and returns float32 logits on the caller's device.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+from transformers import DynamicCache
+
+from .stats import PyramidStats
+
+
+def model_input_device(model) -> torch.device:
+    """Device of the input embeddings (the first stage of a model placed with ``device_map``)."""
+    embeddings = model.get_input_embeddings()
+    return embeddings.weight.device if embeddings is not None else next(model.parameters()).device
+
+
+def vocab_size_of(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.vocab_size)
+
+
+class ModelLevel:
+    """A causal LM used as one level (draft, qualifier or target), batch size 1."""
+
+    def __init__(self, model, name: str, stats: PyramidStats, cache=None):
+        self.model = model
+        self.name = name
+        self.stats = stats
+        self.device = model_input_device(model)
+        self.cache = cache if cache is not None else DynamicCache(config=model.config)
+        self.cached_ids = torch.empty(1, 0, dtype=torch.long)  # ids whose keys/values the cache holds
+        params = inspect.signature(model.forward).parameters
+        self._takes_logits_to_keep = "logits_to_keep" in params
+        self._sync = self.device.type == "cuda"
+
+    def _common_prefix(self, input_ids: torch.Tensor) -> int:
+        n = min(self.cached_ids.shape[1], input_ids.shape[1])
+        if n == 0:
+            return 0
+        same = self.cached_ids[0, :n].to(input_ids.device) == input_ids[0, :n]
+        return int(same.to(torch.int64).cumprod(0).sum().item())
+
+    def crop_to(self, keep: int) -> None:
+        drop = self.cached_ids.shape[1] - keep
+        if drop > 0:
+            self.cache.crop(-drop)
+            self.cached_ids = self.cached_ids[:, :keep]
+
+    @torch.no_grad()
+    def next_token_logits(
+        self, input_ids: torch.Tensor, num_positions: int = 1, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits predicting positions ``L - n + 1 .. L`` of ``input_ids`` (1, L): returns (n, V) float32."""
+        length = input_ids.shape[1]
+        if not 1 <= num_positions <= length:
+            raise ValueError(f"num_positions must be in [1, {length}], got {num_positions}")
+        keep = min(self._common_prefix(input_ids), length - num_positions)
+        self.crop_to(keep)
+        new_ids = input_ids[:, keep:].to(self.device)
+        kwargs = {"cache": self.cache, "use_cache": True}
+        if attention_mask is not None:
+            mask = attention_mask[:, :length].to(self.device)
+            kwargs["attention_mask"] = mask
+            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, keep:]
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = num_positions
+        start = time.perf_counter()
+        logits = self.model(input_ids=new_ids, **kwargs).logits[0, -num_positions:]
+        logits = logits.to(device=input_ids.device, dtype=torch.float32)
+        if self._sync:
+            torch.cuda.synchronize(self.device)
+        self.stats.record_forward(self.name, time.perf_counter() - start)
+        self.cached_ids = torch.cat([self.cached_ids.to(input_ids.device), input_ids[:, keep:]], dim=1)
+        return logits

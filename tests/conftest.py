@@ -1,5 +1,4 @@
 import pytest
-
 from tiny import tiny_trio
 
 

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from tiny import VOCAB, tiny_model, tiny_trio
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from pyramid_hf import PyramidAssistant, PyramidConfig
-
-from tiny import VOCAB, tiny_model, tiny_trio
 
 
 def _prompt(seed, length):
@@ -117,7 +116,7 @@ def test_scores_match_plain_generate(llama_trio):
     got = target.generate(ids, assistant_model=PyramidAssistant(qualifier, draft), **kw)
     assert torch.equal(got.sequences, plain.sequences)
     assert len(got.scores) == len(plain.scores) == 12
-    for a, b in zip(got.scores, plain.scores):
+    for a, b in zip(got.scores, plain.scores, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 

@@ -11,8 +11,8 @@ import itertools
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from tiny import tiny_model
+from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import pyramid_hf.acceptance as acceptance
 from pyramid_hf import PyramidAssistant, PyramidConfig

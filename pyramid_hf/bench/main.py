@@ -1,0 +1,140 @@
+"""`pyramid-sd bench`: every method on the same HumanEval prompts, interleaved, with a JSON/Markdown/PNG report."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .methods import ALL_METHODS, default_grid
+from .runner import GenerationSettings, Prompt, Runner
+from .summary import analytic_speedup, summarize
+
+logger = logging.getLogger("pyramid_hf")
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--{name} needs positive integers, got {text!r}")
+    return values
+
+
+def _pairs(text: str, name: str, cast) -> tuple[tuple, ...]:
+    try:
+        pairs = tuple(tuple(cast(v) for v in item.split(":")) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise ValueError(f"--{name} must look like a:b,c:d, got {text!r}") from None
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise ValueError(f"--{name} must look like a:b,c:d, got {text!r}")
+    return pairs
+
+
+@dataclass
+class BenchArgs:
+    out: str = field(metadata={"help": "output folder for results.json, results.md and speed_quality.png"})
+    preset: str = field(default="qwen-coder-cpu", metadata={"help": "a named trio (see `pyramid-sd models list`)"})
+    target: str | None = field(default=None, metadata={"help": "override the preset's target (Hub id, folder, GGUF)"})
+    qualifier: str | None = field(default=None, metadata={"help": "override the preset's qualifier"})
+    draft: str | None = field(default=None, metadata={"help": "override the draft: a model, prompt_lookup or none"})
+    dataset: str = field(default="humaneval", metadata={"help": "prompt set (humaneval)"})
+    split: str = field(default="test", metadata={"help": "humaneval tasks to report on: dev (0-81), test (82-163), all"})
+    limit: int | None = field(default=10, metadata={"help": "first N prompts of the split"})
+    tune_limit: int = field(default=2, metadata={"help": "dev prompts for the draft-length sweep (0: no sweep)"})
+    methods: str = field(default=",".join(ALL_METHODS), metadata={"help": "comma-separated methods to run"})
+    max_new_tokens: int = field(default=128, metadata={"help": "tokens per completion"})
+    dtype: str = field(default="bfloat16", metadata={"help": "model dtype: bfloat16, float32, float16"})
+    do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
+    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (with --do_sample)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --do_sample)"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off (with --do_sample)"})
+    seed: int = field(default=0, metadata={"help": "seed (per prompt: seed + task index)"})
+    stop_strings: bool = field(default=True, metadata={"help": "stop at HumanEval's end-of-function markers"})
+    sd_tokens: str = field(default="3,5,8", metadata={"help": "draft lengths swept for two-model SD"})
+    lookup_tokens: str = field(default="4,10", metadata={"help": "draft lengths swept for prompt lookup"})
+    psd_grid: str | None = field(default=None, metadata={"help": "l_D:l_Q pairs swept for psd (default: preset's)"})
+    tau_grid: str = field(default="0.1:0.05,0.2:0.1,0.3:0.2", metadata={"help": "tau_T:tau_Q pairs for psd_f"})
+    check_timeout_s: float = field(default=10.0, metadata={"help": "time limit of each unit-test run"})
+    progress: bool = field(default=True, metadata={"help": "show progress bars"})
+
+    def __post_init__(self):
+        unknown = sorted(set(self.method_list) - set(ALL_METHODS))
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; choose from {list(ALL_METHODS)}")
+        if "ar" not in self.method_list:
+            raise ValueError("--methods must include ar: every speedup is measured against it")
+        if self.dataset != "humaneval":
+            raise ValueError(f"unknown dataset {self.dataset!r}; available: humaneval")
+        if self.max_new_tokens < 1 or self.tune_limit < 0 or (self.limit is not None and self.limit < 1):
+            raise ValueError("--max_new_tokens and --limit must be positive, --tune_limit non-negative")
+        self.sd_token_grid = _ints(self.sd_tokens, "sd_tokens")
+        self.lookup_token_grid = _ints(self.lookup_tokens, "lookup_tokens")
+        self.psd_pairs = _pairs(self.psd_grid, "psd_grid", int) if self.psd_grid else None
+        self.tau_pairs = _pairs(self.tau_grid, "tau_grid", float)
+
+    @property
+    def method_list(self) -> list[str]:
+        return [m.strip() for m in self.methods.split(",") if m.strip()]
+
+
+def make_prompts(tasks, tokenizer) -> list[Prompt]:
+    return [Prompt(t.index, t.prompt, tokenizer(t.prompt, return_tensors="pt").input_ids, t) for t in tasks]
+
+
+def bench_trio(trio, args: BenchArgs, knobs: dict, test_tasks, dev_tasks) -> tuple[list[dict], dict]:
+    """Tune on ``dev_tasks``, run on ``test_tasks``; returns the method summaries and the run config."""
+    from .humaneval import STOP_STRINGS, check_completion, truncate_completion
+
+    settings = GenerationSettings(args.max_new_tokens, args.do_sample, args.temperature, args.top_p, args.top_k,
+                                  tuple(STOP_STRINGS) if args.stop_strings else (), args.seed)
+    runner = Runner(trio, settings, progress=args.progress)
+    grid = default_grid(trio, knobs, args.sd_token_grid, args.lookup_token_grid, args.psd_pairs, args.tau_pairs)
+    grid = {family: ms for family, ms in grid.items() if family in args.method_list}
+    test_prompts = make_prompts(test_tasks, trio.tokenizer)
+    dev_prompts = make_prompts(dev_tasks, trio.tokenizer)
+    all_candidates = [m for ms in grid.values() for m in ms]
+    runner.warm_up(all_candidates, (dev_prompts or test_prompts)[0])
+    methods = runner.tune(grid, dev_prompts)
+    runs = runner.run(methods, test_prompts)
+    for method_runs in runs.values():
+        for run in method_runs:
+            task = next(p.task for p in test_prompts if p.index == run.prompt_index)
+            run.check = check_completion(task, truncate_completion(run.text), timeout_s=args.check_timeout_s)
+    greedy = not args.do_sample
+    ar_method = next(m for m in methods if m.method == "ar")
+    summaries = [summarize(m, runs[m.label], runs[ar_method.label], greedy) for m in methods]
+    ar_summary = summaries[methods.index(ar_method)]
+    for s in summaries:
+        s["analytic_speedup"] = analytic_speedup(s, ar_summary)
+    config = {k: v for k, v in asdict(args).items()} | {
+        "models": trio.origins, "preset_knobs": knobs, "tuned_on": [t.index for t in dev_tasks],
+        "reported_on": [t.index for t in test_tasks], "greedy": greedy,
+    }
+    return summaries, config
+
+
+def run_bench(args: BenchArgs) -> dict[str, Path]:
+    import torch
+
+    from ..models import get_preset
+    from ..trio import load_trio
+    from .humaneval import load_tasks
+    from .report import fill_relative_speedups, make_records, write_results
+
+    preset = get_preset(args.preset) if args.preset else None
+    need_draft = bool({"psd", "psd_a", "psd_f", "sd_draft"} & set(args.method_list))
+    trio = load_trio(preset, target=args.target, qualifier=args.qualifier, draft=args.draft,
+                     dtype=args.dtype, need_draft=need_draft)
+    test_tasks = load_tasks(args.split, args.limit)
+    dev_tasks = load_tasks("dev", args.tune_limit) if args.tune_limit else []
+    if args.split != "test" and dev_tasks:
+        logger.warning("reporting on split %r, which overlaps the dev tasks used for tuning", args.split)
+    knobs = dict(preset.knobs) if preset else {}
+    summaries, config = bench_trio(trio, args, knobs, test_tasks, dev_tasks)
+    config["torch_threads"] = torch.get_num_threads()
+    records = make_records(summaries)
+    fill_relative_speedups(records)
+    return write_results(Path(args.out), config, records)

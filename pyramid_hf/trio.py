@@ -1,0 +1,88 @@
+"""Three models of one family, loaded from a preset and/or explicit sources (Hub id, local folder, GGUF file)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from .assistant import PROMPT_LOOKUP
+
+logger = logging.getLogger("pyramid_hf")
+
+NO_DRAFT = "none"
+
+
+@dataclass
+class Trio:
+    """Loaded models: ``draft`` is a model, ``"prompt_lookup"`` or None (the qualifier drafts alone)."""
+
+    target: object
+    qualifier: object
+    draft: object
+    tokenizer: object
+    origins: dict = field(default_factory=dict)
+
+    @property
+    def has_model_draft(self) -> bool:
+        return self.draft is not None and not isinstance(self.draft, str)
+
+    def roles(self) -> dict:
+        """role -> model, for the models that run forwards."""
+        out = {"target": self.target, "qualifier": self.qualifier}
+        if self.has_model_draft:
+            out["draft"] = self.draft
+        return out
+
+
+def _source_of(spec) -> str:
+    return spec if isinstance(spec, str) else spec.source
+
+
+def load_trio(preset=None, *, target: str | None = None, qualifier: str | None = None, draft: str | None = None,
+              dtype="bfloat16", device_map=None, need_draft: bool = True) -> Trio:
+    """Load the target, qualifier and draft named by ``preset`` (a `Preset`), each overridable by a source string.
+
+    ``draft`` may also be ``"prompt_lookup"`` (free n-gram drafting) or ``"none"``. ``need_draft=False`` skips
+    loading a model draft (e.g. for methods that never use it).
+    """
+    from .models import load_model
+
+    sources = {
+        "target": target or (preset and _source_of(preset.target)),
+        "qualifier": qualifier or (preset and _source_of(preset.qualifier)),
+        "draft": draft or (preset and _source_of(preset.draft)),
+    }
+    missing = [role for role in ("target", "qualifier") if not sources[role]]
+    if missing:
+        raise ValueError(f"no {' or '.join(missing)} given: pass --preset or --{missing[0]}")
+    loaded = {}
+    for role in ("target", "qualifier", "draft"):
+        source = sources[role]
+        if role == "draft" and (not source or source in (PROMPT_LOOKUP, NO_DRAFT) or not need_draft):
+            continue
+        loaded[role] = load_model(source, dtype=dtype, device_map=device_map)
+        logger.info("%s: %s", role, loaded[role].origin)
+    draft_source = sources["draft"]
+    draft_obj = loaded["draft"].model if "draft" in loaded else (
+        PROMPT_LOOKUP if draft_source == PROMPT_LOOKUP else None)
+    tokenizer = loaded["target"].tokenizer
+    _check_same_tokenizer(tokenizer, {role: lm.tokenizer for role, lm in loaded.items() if role != "target"})
+    return Trio(loaded["target"].model, loaded["qualifier"].model, draft_obj, tokenizer,
+                {role: lm.origin for role, lm in loaded.items()} | ({"draft": draft_source} if "draft" not in loaded
+                                                                   else {}))
+
+
+def _check_same_tokenizer(target_tokenizer, others: dict) -> None:
+    """A pyramid needs one tokenizer: same vocabulary (token -> id) and the same special tokens."""
+    if target_tokenizer is None:
+        return
+    target_vocab = target_tokenizer.get_vocab()
+    for role, tokenizer in others.items():
+        if tokenizer is None:
+            continue
+        if tokenizer.get_vocab() != target_vocab:
+            raise ValueError(f"the {role}'s tokenizer differs from the target's ({len(tokenizer.get_vocab())} vs "
+                             f"{len(target_vocab)} tokens, or different ids); a pyramid needs one shared tokenizer")
+        if tokenizer.eos_token_id != target_tokenizer.eos_token_id:
+            raise ValueError(f"the {role}'s tokenizer has eos id {tokenizer.eos_token_id}, the target's "
+                             f"{target_tokenizer.eos_token_id}; a pyramid needs one shared tokenizer")

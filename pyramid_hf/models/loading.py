@@ -1,0 +1,118 @@
+"""One entry point for every model source: a GGUF file, a local folder, an offline package name, or a Hub id.
+
+A Hub id falls back to its offline source when the Hub cannot be reached (``HF_HUB_OFFLINE=1`` or a
+connection error) and one exists; one log line says which was used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .offline import OFFLINE_SOURCES, cached, fetch, load_gguf
+
+logger = logging.getLogger("pyramid_hf")
+
+_DTYPES = {"auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+           "fp16": "float16", "float16": "float16"}
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    origin: str  # where it came from, for logs and reports
+
+
+def resolve_dtype(dtype):
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}")
+    return "auto" if dtype == "auto" else getattr(torch, _DTYPES[dtype])
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def offline_name_for(hub_id: str) -> str | None:
+    return next((name for name, s in OFFLINE_SOURCES.items() if s.hub_id == hub_id), None)
+
+
+def _from_folder(folder: Path, dtype, device_map):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder} holds only pickled weights (*.bin); convert them to safetensors first")
+    tokenizer = AutoTokenizer.from_pretrained(folder) if _has_tokenizer(folder) else None
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map)
+    return model.eval(), tokenizer
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: str | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer from ``source`` (see module docstring)."""
+    dtype = resolve_dtype(dtype)
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        model, tokenizer = load_gguf(path, None if dtype == "auto" else dtype)
+        return LoadedModel(model, tokenizer, f"GGUF file {path}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is a folder without config.json, not a model folder")
+        model, tokenizer = _from_folder(path, dtype, device_map)
+        return LoadedModel(model, tokenizer, f"local folder {path}")
+    if source in OFFLINE_SOURCES:
+        return _load_offline(source, dtype, device_map, "asked for by name")
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise FileNotFoundError(f"{source!r} is neither an existing folder or .gguf file, an offline model "
+                                f"({', '.join(OFFLINE_SOURCES)}), nor a Hub id (org/name)")
+    return _load_hub(source, dtype, device_map, offline_fallback or offline_name_for(source))
+
+
+def _load_offline(name: str, dtype, device_map, why: str) -> LoadedModel:
+    was_cached = cached(name) is not None
+    folder = fetch(name)
+    model, tokenizer = _from_folder(folder, dtype, device_map)
+    state = "cached" if was_cached else "fetched"
+    return LoadedModel(model, tokenizer, f"offline package {name} ({state} at {folder}; {why})")
+
+
+def _load_hub(hub_id: str, dtype, device_map, fallback: str | None) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if hub_offline():
+        if fallback is None:
+            raise RuntimeError(f"HF_HUB_OFFLINE is set and {hub_id} is not in the local HF cache, and it has no "
+                               f"offline source (offline models: {', '.join(OFFLINE_SOURCES)})")
+        # a model already in the HF cache still loads offline; only then fall back
+        try:
+            model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=dtype, device_map=device_map)
+            tokenizer = AutoTokenizer.from_pretrained(hub_id)
+            logger.info("%s: using the local Hugging Face cache (HF_HUB_OFFLINE)", hub_id)
+            return LoadedModel(model.eval(), tokenizer, f"Hub {hub_id} (local HF cache)")
+        except OSError:
+            logger.info("%s: Hub offline (HF_HUB_OFFLINE=1), using offline source %s", hub_id, fallback)
+            return _load_offline(fallback, dtype, device_map, f"HF_HUB_OFFLINE set, no HF cache of {hub_id}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=dtype, device_map=device_map)
+        tokenizer = AutoTokenizer.from_pretrained(hub_id)
+    except OSError as error:  # connection errors, missing repos and gated repos surface as OSError
+        if fallback is None:
+            raise RuntimeError(f"could not load {hub_id} from the Hub ({error.__class__.__name__}: "
+                               f"{str(error).splitlines()[0][:200]}) and it has no offline source "
+                               f"(offline models: {', '.join(OFFLINE_SOURCES)})") from error
+        logger.info("%s: Hub not reachable (%s), using offline source %s", hub_id, error.__class__.__name__, fallback)
+        return _load_offline(fallback, dtype, device_map, f"Hub not reachable for {hub_id}")
+    logger.info("%s: loaded from the Hub", hub_id)
+    return LoadedModel(model.eval(), tokenizer, f"Hub {hub_id}")

@@ -1,0 +1,98 @@
+"""Named trios: three models of one family plus the knobs tuned for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .offline import OFFLINE_SOURCES, cache_root, cached
+
+PROMPT_LOOKUP = "prompt_lookup"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model by Hub id, with an offline source (OFFLINE_SOURCES name) or a local folder when there is one."""
+
+    hub_id: str | None
+    offline: str | None = None
+    local_dir: str | None = None  # a folder built by this project (e.g. a distilled draft)
+    build_hint: str | None = None  # how to build local_dir when it is missing
+
+    @property
+    def source(self) -> str:
+        """What to hand to `load_model`."""
+        if self.local_dir is not None:
+            folder = Path(self.local_dir).expanduser()
+            if not (folder / "config.json").is_file():
+                raise FileNotFoundError(f"{folder} is not built yet: {self.build_hint or 'build it first'}")
+            return str(folder)
+        return self.hub_id
+
+    def where(self) -> str:
+        if self.local_dir:
+            return f"local {self.local_dir}"
+        return self.hub_id + (f" | offline: {self.offline}" if self.offline else "")
+
+    def is_cached(self) -> bool:
+        if self.local_dir:
+            return (Path(self.local_dir).expanduser() / "config.json").is_file()
+        return bool(self.offline) and cached(self.offline) is not None
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    target: ModelSpec
+    qualifier: ModelSpec
+    draft: ModelSpec | str  # a model or "prompt_lookup"
+    knobs: dict = field(default_factory=dict)  # PyramidConfig kwargs tuned for the trio (on dev prompts only)
+
+
+def _hub(hub_id: str) -> ModelSpec:
+    return ModelSpec(hub_id, next((n for n, s in OFFLINE_SOURCES.items() if s.hub_id == hub_id), None))
+
+
+_DISTILLED_DRAFT = str(cache_root() / "qwen-coder-cpu-distilled" / "draft")
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    Preset("llama-3", "the paper's trio (needs the Hub and a GPU)",
+           _hub("meta-llama/Llama-3.1-8B-Instruct"), _hub("meta-llama/Llama-3.2-3B-Instruct"),
+           _hub("meta-llama/Llama-3.2-1B-Instruct"), {"draft_tokens": 5, "qualifier_tokens": 20}),
+    Preset("smollm2", "SmolLM2 135M / 360M / 1.7B Instruct (the 135M is available offline)",
+           _hub("HuggingFaceTB/SmolLM2-1.7B-Instruct"), _hub("HuggingFaceTB/SmolLM2-360M-Instruct"),
+           _hub("HuggingFaceTB/SmolLM2-135M-Instruct"), {"draft_tokens": 4, "qualifier_tokens": 8}),
+    Preset("qwen2.5", "Qwen2.5 0.5B / 1.5B / 7B Instruct (needs the Hub)",
+           _hub("Qwen/Qwen2.5-7B-Instruct"), _hub("Qwen/Qwen2.5-1.5B-Instruct"),
+           _hub("Qwen/Qwen2.5-0.5B-Instruct"), {"draft_tokens": 4, "qualifier_tokens": 8}),
+    Preset("qwen-coder-cpu", "embedded default, works offline: Qwen2.5-Coder 1.5B target, 0.5B qualifier, "
+           "prompt-lookup draft", _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"), _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
+           PROMPT_LOOKUP, {"draft_tokens": 4, "qualifier_tokens": 8}),
+    Preset("qwen-coder-cpu-distilled", "qwen-coder-cpu with the distilled derived draft (built by a recipe)",
+           _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"), _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
+           ModelSpec(None, local_dir=_DISTILLED_DRAFT,
+                     build_hint="run the qwen-coder-cpu-distilled recipe (see recipes/README.md)"),
+           {"draft_tokens": 4, "qualifier_tokens": 8}),
+]}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def list_presets_table() -> str:
+    rows = [("preset", "role", "source", "cached")]
+    for preset in PRESETS.values():
+        for role in ("target", "qualifier", "draft"):
+            spec = getattr(preset, role)
+            if isinstance(spec, str):
+                rows.append((preset.name, role, spec + " (free n-gram drafting, nothing to fetch)", "-"))
+            else:
+                rows.append((preset.name, role, spec.where(), "yes" if spec.is_cached() else "no"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + f"\n\ncache: {cache_root()}  (set PYRAMID_HF_CACHE to move it)"

@@ -28,23 +28,6 @@ from transformers import HfArgumentParser
 from .config import PyramidConfig
 
 
-def _tiny_trio(vocab: int, seed: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def make(hidden, layers, offset):
-        torch.manual_seed(seed + offset)
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=2048, bos_token_id=0, pad_token_id=0, eos_token_id=None)
-        model = LlamaForCausalLM(cfg).eval()
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
-        return model
-
-    return make(64, 3, 0), make(32, 2, 1), make(16, 2, 2)
-
-
 def demo(argv: list[str]) -> int:
     import torch
 
@@ -56,9 +39,11 @@ def demo(argv: list[str]) -> int:
     parser.add_argument("--draft", choices=["model", "prompt_lookup", "none"], default="model",
                         help="the bottom level of the pyramid")
     (config, args) = parser.parse_args_into_dataclasses(args=argv)
-    target, qualifier, draft_model = _tiny_trio(vocab=97, seed=args.seed)
+    from .testing import VOCAB, tiny_trio
+
+    target, qualifier, draft_model = tiny_trio("llama", seed=args.seed)
     draft = {"model": draft_model, "prompt_lookup": "prompt_lookup", "none": None}[args.draft]
-    prompt = torch.randint(1, 97, (1, 8), generator=torch.Generator().manual_seed(args.seed))
+    prompt = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(args.seed))
     expected = target.generate(prompt, do_sample=False, max_new_tokens=args.max_new_tokens)
     assistant = PyramidAssistant(qualifier, draft, config)
     out = target.generate(prompt, assistant_model=assistant, do_sample=False, max_new_tokens=args.max_new_tokens)

@@ -118,7 +118,7 @@ def default_grid(trio: Trio, knobs: dict, sd_tokens=(3, 5, 8), lookup_tokens=(4,
         + [Method.make("sd_qualifier", num_tokens="heuristic")],
         "sd_lookup": [Method.make("sd_lookup", num_tokens=k) for k in lookup_tokens],
         "psd": [Method.make("psd", draft_tokens=d, qualifier_tokens=q) for d, q in psd_grid],
-        "psd_a": [Method.make("psd_a", draft_tokens=l_d, qualifier_tokens=l_q)],
+        "psd_a": [Method.make("psd_a", draft_tokens=d, qualifier_tokens=q) for d, q in psd_grid],
     }
     if trio.has_model_draft:
         grid["sd_draft"] = [Method.make("sd_draft", num_tokens=k) for k in sd_tokens]

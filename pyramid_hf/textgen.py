@@ -85,7 +85,7 @@ def run_generate(args: GenerateArgs, config: PyramidConfig, explicit_knobs: set,
     wall = time.perf_counter() - start
     new_tokens = output_ids.shape[1] - input_ids.shape[1]
     result = {"method": args.method, "new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": new_tokens / wall,
-              "models": trio.origins}
+              "models": trio.origins, "new_ids": output_ids[0, input_ids.shape[1]:].tolist()}
     out("")
     if assistant is not None:
         result |= {"mode": config.mode, "config": config.to_dict(), "stats": assistant.stats.to_dict()}

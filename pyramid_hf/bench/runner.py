@@ -66,10 +66,27 @@ class GenerationSettings:
         if self.do_sample:
             kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         if self.stop_strings:
-            kwargs.update(stop_strings=list(self.stop_strings), tokenizer=tokenizer)
+            # as a stopping criterion, not `stop_strings=`: Transformers' assisted generation copies the target's
+            # generation config into the assistant's generate(), which then fails for want of a tokenizer
+            kwargs["stopping_criteria"] = _stop_criteria(tokenizer, self.stop_strings)
         if tokenizer is not None and tokenizer.pad_token_id is not None:
             kwargs["pad_token_id"] = tokenizer.pad_token_id
         return kwargs
+
+
+_STOP_CRITERIA: dict = {}
+
+
+def _stop_criteria(tokenizer, stop_strings: tuple):
+    """One StopStringCriteria per tokenizer and strings (building its token tables takes a while on big vocabs)."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    if tokenizer is None:
+        raise ValueError("stop strings need the trio's tokenizer")
+    key = (id(tokenizer), tuple(stop_strings))
+    if key not in _STOP_CRITERIA:
+        _STOP_CRITERIA[key] = (tokenizer, StoppingCriteriaList([StopStringCriteria(tokenizer, list(stop_strings))]))
+    return _STOP_CRITERIA[key][1]
 
 
 @dataclass

@@ -6,8 +6,11 @@ connection error) and one exists; one log line says which was used.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import socket
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +41,23 @@ def resolve_dtype(dtype):
 
 def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hub endpoint accepts a TCP connection (checked once per process, a few seconds at most).
+
+    Without this check, an unreachable Hub costs ~50 s of huggingface_hub retries per model before the
+    offline fallback.
+    """
+    from huggingface_hub import constants
+
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 def offline_name_for(hub_id: str) -> str | None:
@@ -91,19 +111,22 @@ def _load_offline(name: str, dtype, device_map, why: str) -> LoadedModel:
 def _load_hub(hub_id: str, dtype, device_map, fallback: str | None) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if hub_offline():
-        if fallback is None:
-            raise RuntimeError(f"HF_HUB_OFFLINE is set and {hub_id} is not in the local HF cache, and it has no "
-                               f"offline source (offline models: {', '.join(OFFLINE_SOURCES)})")
+    offline = hub_offline()
+    if offline or not hub_reachable():
+        why = "HF_HUB_OFFLINE=1" if offline else "Hub not reachable"
         # a model already in the HF cache still loads offline; only then fall back
         try:
-            model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=dtype, device_map=device_map)
-            tokenizer = AutoTokenizer.from_pretrained(hub_id)
-            logger.info("%s: using the local Hugging Face cache (HF_HUB_OFFLINE)", hub_id)
+            model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=dtype, device_map=device_map,
+                                                         local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(hub_id, local_files_only=True)
+            logger.info("%s: using the local Hugging Face cache (%s)", hub_id, why)
             return LoadedModel(model.eval(), tokenizer, f"Hub {hub_id} (local HF cache)")
         except OSError:
-            logger.info("%s: Hub offline (HF_HUB_OFFLINE=1), using offline source %s", hub_id, fallback)
-            return _load_offline(fallback, dtype, device_map, f"HF_HUB_OFFLINE set, no HF cache of {hub_id}")
+            if fallback is None:
+                raise RuntimeError(f"{why} and {hub_id} is not in the local HF cache, and it has no offline "
+                                   f"source (offline models: {', '.join(OFFLINE_SOURCES)})") from None
+            logger.info("%s: %s, using offline source %s", hub_id, why, fallback)
+            return _load_offline(fallback, dtype, device_map, f"{why}, no HF cache of {hub_id}")
     try:
         model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=dtype, device_map=device_map)
         tokenizer = AutoTokenizer.from_pretrained(hub_id)

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import torch
-from transformers.generation import CandidateGenerator, PromptLookupCandidateGenerator
+from transformers.generation import CandidateGenerator
 
 from . import _hf
-from .candidate_generator import PyramidCandidateGenerator
+from .candidate_generator import PROMPT_LOOKUP, build_pyramid_generator
 from .config import PyramidConfig
-from .levels import ModelLevel, vocab_size_of
+from .levels import vocab_size_of
 from .stats import PyramidStats
 
 _hf.install()
 
-PROMPT_LOOKUP = "prompt_lookup"
+__all__ = ["PROMPT_LOOKUP", "PyramidAssistant"]
 
 
 class PyramidAssistant:
@@ -103,25 +102,8 @@ class PyramidAssistant:
 
     def build_candidate_generator(self, target, logits_processor, generation_config, stats, attention_mask=None):
         """A fresh `PyramidCandidateGenerator` (fresh caches) for one generate() call."""
-        qualifier = ModelLevel(self.qualifier, "qualifier", stats)
-        if self.draft_kind == "model":
-            draft = ModelLevel(self.draft, "draft", stats)
-        elif self.draft_kind == PROMPT_LOOKUP:
-            eos = generation_config.eos_token_id
-            eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos))
-            draft = PromptLookupCandidateGenerator(
-                eos_token_id=eos,
-                num_output_tokens=self.config.draft_tokens * 4,  # the heuristic schedule may grow l_D
-                max_matching_ngram_size=self.lookup_ngram_size,
-                max_length=generation_config.max_length,
-                logits_processor=logits_processor,
-                vocab_size=vocab_size_of(target),
-            )
-        else:
-            draft = self.draft
-        return PyramidCandidateGenerator(
-            qualifier, draft, self.config, logits_processor, generation_config, stats, attention_mask
-        )
+        return build_pyramid_generator(self.qualifier, self.draft, self.config, target, logits_processor,
+                                       generation_config, stats, attention_mask, self.lookup_ngram_size)
 
     def __repr__(self) -> str:
         return (f"PyramidAssistant(qualifier={type(self.qualifier).__name__}, draft={self.draft_kind}, "

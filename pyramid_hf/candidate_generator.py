@@ -10,12 +10,14 @@ by, which is what lossless verification at the target needs.
 from __future__ import annotations
 
 import torch
-from transformers.generation import CandidateGenerator
+from transformers.generation import CandidateGenerator, PromptLookupCandidateGenerator
 
 from .acceptance import get_rule
 from .config import PyramidConfig
-from .levels import ModelLevel
+from .levels import ModelLevel, vocab_size_of
 from .stats import PyramidStats
+
+PROMPT_LOOKUP = "prompt_lookup"
 
 
 def process_rows(logits_processor, prefix_ids: torch.Tensor, row_logits: torch.Tensor) -> torch.Tensor:
@@ -162,3 +164,30 @@ class PyramidCandidateGenerator(CandidateGenerator):
             self.qualifier_tokens = heuristic_update(
                 self.qualifier_tokens, proposed, int(num_matches), self.config.qualifier_tokens
             )
+
+
+def build_pyramid_generator(qualifier_model, draft, config: PyramidConfig, target, logits_processor, generation_config,
+                            stats: PyramidStats, attention_mask=None, lookup_ngram_size: int = 2):
+    """A fresh `PyramidCandidateGenerator` (fresh caches) for one generate() call.
+
+    ``draft`` is a causal LM, ``"prompt_lookup"``, a `CandidateGenerator` or None.
+    """
+    qualifier = ModelLevel(qualifier_model, "qualifier", stats)
+    if draft == PROMPT_LOOKUP:
+        eos = generation_config.eos_token_id
+        eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos))
+        draft_level = PromptLookupCandidateGenerator(
+            eos_token_id=eos,
+            num_output_tokens=config.draft_tokens * 4,  # the heuristic schedule may grow l_D
+            max_matching_ngram_size=lookup_ngram_size,
+            max_length=generation_config.max_length,
+            logits_processor=logits_processor,
+            vocab_size=vocab_size_of(target),
+        )
+    elif draft is None or isinstance(draft, CandidateGenerator):
+        draft_level = draft
+    else:
+        draft_level = ModelLevel(draft, "draft", stats)
+    return PyramidCandidateGenerator(
+        qualifier, draft_level, config, logits_processor, generation_config, stats, attention_mask
+    )

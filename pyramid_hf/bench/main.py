@@ -116,7 +116,8 @@ def bench_trio(trio, args: BenchArgs, knobs: dict, test_tasks, dev_tasks) -> tup
     return summaries, config
 
 
-def run_bench(args: BenchArgs) -> dict[str, Path]:
+def run_bench(args: BenchArgs, command: str | None = None) -> dict[str, Path]:
+    """Run the benchmark; ``command`` (the command line that ran it) is recorded in results.json."""
     import torch
 
     from ..models import get_preset
@@ -135,6 +136,7 @@ def run_bench(args: BenchArgs) -> dict[str, Path]:
     knobs = dict(preset.knobs) if preset else {}
     summaries, config = bench_trio(trio, args, knobs, test_tasks, dev_tasks)
     config["torch_threads"] = torch.get_num_threads()
+    config["command"] = command
     records = make_records(summaries)
     fill_relative_speedups(records)
     return write_results(Path(args.out), config, records)

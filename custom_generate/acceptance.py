@@ -1,0 +1,1 @@
+../pyramid_hf/acceptance.py

@@ -1,0 +1,1 @@
+../pyramid_hf/candidate_generator.py

@@ -1,0 +1,113 @@
+"""`pyramid-sd eval-acceptance`: the pure measurements, a model against itself, and the command end to end."""
+
+import json
+
+import pytest
+import torch
+from tiny import VOCAB, tiny_model
+
+from pyramid_hf.cli import main
+from pyramid_hf.eval_acceptance import (
+    EvalAcceptanceArgs,
+    break_even,
+    expected_tokens_per_call,
+    load_report,
+    measure,
+    simulate_blocks,
+)
+from pyramid_hf.testing import tiny_tokenizer
+
+
+def test_simulate_blocks():
+    assert simulate_blocks([True] * 10, 4)[0] == [5, 5]  # 4 kept + the verifier's token, twice
+    assert simulate_blocks([False] * 3, 4)[0] == [1, 1, 1]
+    emitted, reached, kept = simulate_blocks([True, False, True, True, True, True, True], 2)
+    assert emitted == [2, 3, 3]  # t=0: keep 1, reject; t=2: keep 2 (cap); t=5: keep 2
+    assert reached == [3, 3] and kept == [3, 2]
+    assert simulate_blocks([], 4)[0] == []
+
+
+def test_expected_tokens_per_call():
+    assert expected_tokens_per_call(torch.zeros(5), 4) == 1.0
+    assert expected_tokens_per_call(torch.ones(1), 4) == 2.0
+    assert expected_tokens_per_call(torch.full((100,), 0.5), 2) == pytest.approx(1.75, abs=0.01)
+
+
+def test_break_even():
+    latency = {"student_1": 35.0, "teacher_1": 90.0, "teacher_5": 160.0}
+    assert break_even(latency, 4) == pytest.approx((4 * 35 + 160) / 90)
+    assert break_even({}, 4) is None
+
+
+def _args(tmp_path, **kw):
+    return EvalAcceptanceArgs(**{"out": str(tmp_path), "preset": None, "student": "s", "teacher": "t",
+                                 "progress": False, "latency_repeats": 1, **kw})
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, VOCAB, (1, n), generator=g) for n in (5, 9, 3)]
+
+
+def test_a_model_against_itself_is_accepted_everywhere(tmp_path):
+    model = tiny_model("llama", seed=1)
+    result = measure(model, model, _prompts(), _args(tmp_path, max_new_tokens=12, draft_tokens=4, taus="0,0.1"))
+    assert result["positions"] == 36
+    assert result["acceptance_exact_greedy"] == 1.0
+    assert result["acceptance_exact_sampling"] == pytest.approx(1.0, abs=1e-5)
+    assert all(row["acceptance"] == 1.0 for row in result["fuzzy"])
+    assert result["acceptance_by_position"] == [1.0] * 4
+    # 12 positions per prompt, l = 4: calls keep 4, 4, 2 and each adds the verifier's token
+    assert result["mean_accepted_tokens"] == pytest.approx(13 / 3)
+    assert result["mean_tv"] == pytest.approx(0.0, abs=1e-5)
+    assert result["break_even_accepted_tokens"] > 0
+
+
+def test_a_different_model_is_not(tmp_path):
+    result = measure(tiny_model("llama", seed=1), tiny_model("llama", seed=2), _prompts(),
+                     _args(tmp_path, max_new_tokens=12, latency_repeats=0))
+    assert result["acceptance_exact_greedy"] < 1.0 and result["mean_tv"] > 0.01
+    assert 1.0 <= result["mean_accepted_tokens"] < 5.0
+    assert result["latency_ms"] == {} and result["break_even_accepted_tokens"] is None
+    taus = [row["tau"] for row in result["fuzzy"]]
+    accepted = [row["acceptance"] for row in result["fuzzy"]]
+    assert taus == sorted(taus) and accepted == sorted(accepted)  # a larger tau never accepts less
+
+
+def test_command_end_to_end(tmp_path):
+    for name, seed in (("student", 1), ("teacher", 2)):
+        tiny_model("qwen2", seed=seed).save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    out = tmp_path / "acc"
+    rc = main(["eval-acceptance", "--preset", "", "--student", str(tmp_path / "student"), "--teacher",
+               str(tmp_path / "teacher"), "--limit", "2", "--max-new-tokens", "8", "--draft-tokens", "3",
+               "--latency_repeats", "1", "--dtype", "float32", "--out", str(out)])
+    assert rc == 0
+    config, result = load_report(out / "acceptance.json")
+    assert config["draft_tokens"] == 3 and config["prompts"] == 2 and config["split"] == "test"
+    assert config["command"].startswith("pyramid-sd eval-acceptance")
+    assert result["positions"] == 16
+    text = (out / "acceptance.md").read_text()
+    assert "| exact, greedy |" in text and "Break-even" in text
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"pair": "draft:target", "student": None, "teacher": None}, "--pair must be one of"),
+    ({"teacher": None}, "go together"),
+    ({"draft_tokens": 0}, "must be positive"),
+    ({"divergence": "hellinger"}, "--divergence must be one of"),
+    ({"taus": "0.1,0.9"}, "outside the range"),
+    ({"taus": "a"}, "comma-separated numbers"),
+    ({"dataset": "mbpp"}, "unknown dataset"),
+])
+def test_bad_arguments(tmp_path, kw, match):
+    base = {"out": str(tmp_path), "preset": "qwen-coder-cpu", "student": "s", "teacher": "t"}
+    with pytest.raises(ValueError, match=match):
+        EvalAcceptanceArgs(**{**base, **kw})
+
+
+def test_load_report_rejects_other_files(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"config": {}, "methods": []}))
+    with pytest.raises(ValueError, match="not an eval-acceptance report"):
+        load_report(path)

@@ -1,0 +1,82 @@
+"""Training prompts that are not the benchmark: built offline, or any Hub dataset by name.
+
+``stdlib-code`` turns the Python standard library's own documented functions into completion prompts
+(signature + docstring, as HumanEval does), so a code drafter is distilled on code it has never been
+benchmarked on. ``load_prompts("org/name")`` takes any Hub dataset with a text column.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import sysconfig
+from pathlib import Path
+
+BUILTIN_SOURCES = ("stdlib-code",)
+
+
+def _function_prompts(path: Path, min_doc_chars: int) -> list[str]:
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if not doc or len(doc) < min_doc_chars or not node.body or not isinstance(node.body[0], ast.Expr):
+            continue
+        header_end = node.body[0].end_lineno  # through the docstring
+        text = "\n".join(lines[node.lineno - 1 : header_end])
+        indent = len(text) - len(text.lstrip())
+        out.append("\n".join(line[indent:] for line in text.splitlines()) + "\n")
+    return out
+
+
+def stdlib_code_prompts(limit: int | None = None, min_doc_chars: int = 40) -> list[str]:
+    """Documented public functions of the standard library as ``def ...: \"\"\"doc\"\"\"`` prompts, sorted, unique."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip", "tkinter"}
+    prompts: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        if skip & set(path.relative_to(root).parts):
+            continue
+        prompts += _function_prompts(path, min_doc_chars)
+    prompts = sorted(set(prompts))
+    return prompts[:limit] if limit else prompts
+
+
+def load_prompts(source: str, *, limit: int | None = None, split: str = "train", column: str = "prompt",
+                 seed: int = 0):
+    """A `datasets.Dataset` with a ``prompt`` column from a builtin source or a Hub dataset name."""
+    from datasets import Dataset, load_dataset, load_from_disk
+
+    if source == "stdlib-code":
+        texts = stdlib_code_prompts()
+        dataset = Dataset.from_dict({"prompt": texts}).shuffle(seed=seed)
+        return dataset.select(range(min(limit, len(dataset)))) if limit else dataset
+    if source in BUILTIN_SOURCES:
+        raise ValueError(f"builtin prompt source {source!r} has no builder")
+    if "/" not in source and not Path(source).exists():
+        raise ValueError(f"unknown prompt source {source!r}: use one of {list(BUILTIN_SOURCES)} or a Hub dataset "
+                         "name (org/name) or a local dataset folder")
+    folder = Path(source)
+    if folder.is_dir() and (folder / "dataset_info.json").is_file():  # a Dataset.save_to_disk folder
+        dataset = load_from_disk(str(folder))
+    else:
+        dataset = load_dataset(source, split=split)
+    if column not in dataset.column_names:
+        raise ValueError(f"dataset {source!r} has no column {column!r} (columns: {dataset.column_names}); "
+                         "pass --prompt_column")
+    if column != "prompt":
+        dataset = dataset.rename_column(column, "prompt")
+    dataset = dataset.select_columns(["prompt"]).shuffle(seed=seed)
+    return dataset.select(range(min(limit, len(dataset)))) if limit else dataset
+
+
+if __name__ == "__main__":  # quick look: python -m pyramid_hf.prompts
+    found = stdlib_code_prompts()
+    print(f"{len(found)} prompts from {sys.version.split()[0]}'s standard library; first:\n{found[0]}")

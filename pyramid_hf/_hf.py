@@ -67,6 +67,11 @@ def _validate_generation_mode(original):
                     f"{getattr(generation_mode, 'value', generation_mode)!r} (num_beams={generation_config.num_beams}), "
                     "in which Transformers would silently ignore the assistant."
                 )
+            if generation_mode_kwargs.get("assistant_tokenizer") is not None:
+                raise ValueError(
+                    "PyramidAssistant needs the target, qualifier and draft to share one tokenizer; assistant_tokenizer "
+                    "(universal assisted decoding across tokenizers) is not supported with a pyramid."
+                )
             if generation_config.num_return_sequences not in (None, 1):
                 raise ValueError(
                     f"PyramidAssistant needs num_return_sequences=1, got {generation_config.num_return_sequences}."

@@ -49,6 +49,20 @@ def test_gguf_and_folder_sources_load_the_same_model(trio):
     assert torch.equal(target_logits.argmax(-1), qualifier_logits.argmax(-1))
 
 
+def test_stop_strings_stop_on_the_same_token(trio):
+    """Stop strings need a real tokenizer (StopStringCriteria reads its vocabulary), hence here."""
+    input_ids = trio.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=40, do_sample=False,
+                  pad_token_id=trio.tokenizer.pad_token_id, tokenizer=trio.tokenizer)
+    free = trio.target.generate(input_ids, **kwargs)
+    stop = trio.tokenizer.decode(free[0, input_ids.shape[1] + 7 : input_ids.shape[1] + 8]).strip() or "\n"
+    expected = trio.target.generate(input_ids, stop_strings=[stop], **kwargs)
+    assert expected.shape[1] < free.shape[1]
+    assistant = PyramidAssistant(trio.qualifier, "prompt_lookup", PyramidConfig(draft_tokens=3, qualifier_tokens=6))
+    got = trio.target.generate(input_ids, assistant_model=assistant, stop_strings=[stop], **kwargs)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("draft_tokens,qualifier_tokens,max_new_tokens", [(4, 8, 48), (3, 5, 29), (2, 3, 1)])
 def test_psd_exact_matches_target_greedy_token_for_token(trio, draft_tokens, qualifier_tokens, max_new_tokens):
     config = PyramidConfig(draft_tokens=draft_tokens, qualifier_tokens=qualifier_tokens)

@@ -106,6 +106,32 @@ def publish(argv: list[str]) -> int:
     return 0
 
 
+def derive(argv: list[str]) -> int:
+    from .derive import cut_layers
+    from .models import load_model
+
+    parser = argparse.ArgumentParser(prog="pyramid-sd derive", description="cut a model to a subset of its decoder "
+                                     "layers and save it as a draft (safetensors + tokenizer)")
+    parser.add_argument("--model", required=True, help="Hub id, local folder or GGUF file")
+    parser.add_argument("--keep_layers", "--keep-layers", required=True,
+                        help="comma-separated decoder layer indices to keep (any subset), e.g. 0,1,2,3,22,23")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype to load and save in")
+    ns = parser.parse_args(argv)
+    try:
+        keep = [int(i) for i in ns.keep_layers.split(",") if i.strip()]
+    except ValueError:
+        raise ValueError(f"--keep_layers must be comma-separated integers, got {ns.keep_layers!r}") from None
+    loaded = load_model(ns.model, dtype=ns.dtype)
+    derived = cut_layers(loaded.model, keep)
+    derived.save_pretrained(ns.out)
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(ns.out)
+    params = sum(p.numel() for p in derived.parameters()) / 1e6
+    print(f"kept layers {derived.config.pyramid_kept_layers} of {loaded.origin}: {params:.0f}M parameters -> {ns.out}")
+    return 0
+
+
 def models(argv: list[str]) -> int:
     from .models import OFFLINE_SOURCES, fetch, list_presets_table
 
@@ -147,6 +173,7 @@ COMMANDS = {
     "bench": (bench, "AR vs SD vs PSD side by side on HumanEval: results.json, results.md, speed_quality.png"),
     "eval-acceptance": (eval_acceptance, "agreement of a student with its teacher: acceptance, divergences, break-even"),
     "publish": (publish, "write a reloadable drafter folder with a measured model card; --push uploads it"),
+    "derive": (derive, "a smaller draft from a model: keep any subset of its decoder layers"),
     "models": (models, "fetch / list offline models and presets"),
 }
 

@@ -62,7 +62,8 @@ def test_markdown_table_has_a_row_per_record(bench_output):
     text = paths["markdown"].read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| method")]
     assert len(rows) == len(records)
-    assert all(row.count("|") == 15 for row in rows)
+    assert all(row.count("|") == 16 for row in rows)
+    assert all(r.decode_tokens_per_s and r.decode_tokens_per_s >= r.tokens_per_s for r in records)
     assert "Best two-model SD: sd_" in text
 
 

@@ -74,3 +74,17 @@ def test_untied_heads_stay_untied():
 def test_bad_keep(keep, match):
     with pytest.raises(ValueError, match=match):
         cut_layers(tiny_model("llama", layers=3), keep)
+
+
+def test_cli_derive(tmp_path):
+    from pyramid_hf.cli import main
+    from pyramid_hf.testing import tiny_tokenizer
+
+    tiny_model("qwen2", layers=4, seed=8).save_pretrained(tmp_path / "full")
+    tiny_tokenizer().save_pretrained(tmp_path / "full")
+    assert main(["derive", "--model", str(tmp_path / "full"), "--keep_layers", "0,3", "--out", str(tmp_path / "cut"),
+                 "--dtype", "float32"]) == 0
+    cut = AutoModelForCausalLM.from_pretrained(tmp_path / "cut")
+    assert cut.config.num_hidden_layers == 2 and cut.config.pyramid_kept_layers == [0, 3]
+    assert (tmp_path / "cut" / "tokenizer.json").is_file()
+    assert main(["derive", "--model", str(tmp_path / "full"), "--keep_layers", "x", "--out", str(tmp_path / "b")]) == 2

@@ -22,12 +22,14 @@ class ForwardMeter:
         self.models = dict(models)
         self.calls = dict.fromkeys(self.models, 0)
         self.seconds = dict.fromkeys(self.models, 0.0)
+        self.first_seconds = dict.fromkeys(self.models, 0.0)  # each model's first forward: the prompt's prefill
         self._started: dict[str, list[float]] = {role: [] for role in self.models}
         self._handles = []
 
     def reset(self) -> None:
         self.calls = dict.fromkeys(self.models, 0)
         self.seconds = dict.fromkeys(self.models, 0.0)
+        self.first_seconds = dict.fromkeys(self.models, 0.0)
 
     def __enter__(self) -> ForwardMeter:
         for role, model in self.models.items():
@@ -47,9 +49,16 @@ class ForwardMeter:
 
     def _post(self, role):
         def hook(module, args, output):
+            elapsed = time.perf_counter() - self._started[role].pop()
+            if self.calls[role] == 0:
+                self.first_seconds[role] = elapsed
             self.calls[role] += 1
-            self.seconds[role] += time.perf_counter() - self._started[role].pop()
+            self.seconds[role] += elapsed
         return hook
 
     def snapshot(self) -> tuple[dict, dict]:
         return dict(self.calls), dict(self.seconds)
+
+    def prefill_seconds(self) -> float:
+        """Time of every model's first forward since reset(): the prompt's prefill (plus a first verification)."""
+        return sum(self.first_seconds.values())

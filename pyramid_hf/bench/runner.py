@@ -39,6 +39,7 @@ class RunResult:
     forward_time_s: dict
     pyramid_stats: dict | None = None
     check: object = None  # humaneval.CheckResult once checked
+    prefill_s: float = 0.0  # the models' first forwards (prompt prefill), inside wall_s
 
     @property
     def new_tokens(self) -> int:
@@ -47,6 +48,12 @@ class RunResult:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the prompt's prefill (long prompts on slow hardware are mostly prefill)."""
+        decode_s = self.wall_s - self.prefill_s
+        return self.new_tokens / decode_s if decode_s > 0 else 0.0
 
 
 @dataclass
@@ -117,7 +124,8 @@ class Runner:
         assistant = kwargs.get("assistant_model")
         stats = assistant.stats.to_dict() if getattr(assistant, "_is_pyramid_assistant", False) else None
         text = self.trio.tokenizer.decode(new_ids, skip_special_tokens=True) if self.trio.tokenizer else ""
-        return RunResult(method.label, prompt.index, new_ids, text, wall, calls, seconds, stats)
+        return RunResult(method.label, prompt.index, new_ids, text, wall, calls, seconds, stats,
+                         prefill_s=self.meter.prefill_seconds())
 
     def warm_up(self, methods: list[Method], prompt: Prompt, tokens: int = 16) -> None:
         """One short untimed run of every method: first-call costs (allocations, kernels) stay out of the numbers."""

@@ -70,6 +70,8 @@ def summarize(method: Method, runs: list[RunResult], ar_runs: list[RunResult] | 
         "new_tokens": new_tokens,
         "wall_s": wall,
         "tokens_per_s": statistics.median(r.tokens_per_s for r in runs) if runs else 0.0,
+        "decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in runs) if runs else 0.0,
+        "prefill_s": sum(r.prefill_s for r in runs),
         "acceptance": acceptance(method, runs),
         "mean_tokens_per_target_call": new_tokens / calls["target"] if calls.get("target") else 0.0,
         "forward_calls": calls,
@@ -80,6 +82,7 @@ def summarize(method: Method, runs: list[RunResult], ar_runs: list[RunResult] | 
         "pass_at_1": sum(c.passed for c in checked) / len(checked) if checked else None,
         "per_prompt": [
             {"task": r.prompt_index, "new_tokens": r.new_tokens, "wall_s": r.wall_s, "tokens_per_s": r.tokens_per_s,
+             "prefill_s": r.prefill_s, "decode_tokens_per_s": r.decode_tokens_per_s,
              "target_calls": r.forward_calls.get("target", 0),
              "passed": None if r.check is None else r.check.passed}
             for r in runs

@@ -128,7 +128,8 @@ def markdown_table(config: dict, records: list[MethodRecord]) -> str:
               "costs with zero framework overhead. overhead: wall time outside model forwards. decode tok/s: tokens per "
               "second once each model's first forward (the prompt's prefill) is done. identical to AR: "
               "share of prompts with AR's exact tokens (bf16 can flip near-tie argmaxes; exactness is proven by the "
-              "fp32 tests)."]
+              "fp32 tests; Transformers' own SD checks stop strings only at the end of each accepted block, so it "
+              "can run past a stop string that AR and the pyramid stop on)."]
     return "\n".join(lines) + "\n"
 
 

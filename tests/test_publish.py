@@ -125,7 +125,8 @@ def test_refuses_pickled_weights(model_dir, tmp_path):
     (None, "does not exist"),
     ("{not json", "not a JSON object"),
     ('{"kind": "pyramid-hf/eval-acceptance", "config": {}}', "'config' must be an object with keys"),
-    ('{"methods": [{"method": "nope"}]}', ""),
+    ('{"methods": [{"method": "nope"}]}', "not a bench results file"),
+    ('{"config": {}, "methods": [{"method": "nope"}]}', r"methods\[0\] lacks"),
 ])
 def test_bad_results_files(model_dir, tmp_path, content, match):
     path = tmp_path / "results.json"

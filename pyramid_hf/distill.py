@@ -63,11 +63,11 @@ def build_trainer(script_args: DistillScriptArguments, training_args, model_args
     from .trio import _check_same_tokenizer
 
     if student is None:
-        loaded = load_model(script_args.student, dtype=script_args.model_dtype)
+        loaded = load_model(script_args.student, dtype=script_args.model_dtype, reduced_vocab=False)
         student, tokenizer = loaded.model, tokenizer or loaded.tokenizer
         logger.info("student: %s", loaded.origin)
     if teacher is None:
-        loaded_teacher = load_model(script_args.teacher, dtype=script_args.model_dtype)
+        loaded_teacher = load_model(script_args.teacher, dtype=script_args.model_dtype, reduced_vocab=False)
         teacher = loaded_teacher.model
         _check_same_tokenizer(loaded_teacher.tokenizer, {"student": tokenizer})
         logger.info("teacher: %s", loaded_teacher.origin)

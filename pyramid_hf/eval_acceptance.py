@@ -293,7 +293,7 @@ def run_eval_acceptance(args: EvalAcceptanceArgs, command: str | None = None) ->
                              "pick another --pair or pass --student")
         student_source, teacher_source = specs[student_role].source, specs[teacher_role].source
     student = load_model(student_source, dtype=args.dtype)
-    teacher = load_model(teacher_source, dtype=args.dtype)
+    teacher = load_model(teacher_source, dtype=args.dtype, reduced_vocab=False)
     logger.info("student: %s; teacher: %s", student.origin, teacher.origin)
     _check_same_tokenizer(teacher.tokenizer, {"student": student.tokenizer})
     tasks = load_tasks(args.split, args.limit)

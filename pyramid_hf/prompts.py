@@ -36,14 +36,29 @@ def _function_prompts(path: Path, min_doc_chars: int) -> list[str]:
     return out
 
 
+_SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip", "tkinter"}
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [p for p in sorted(root.rglob("*.py")) if not _SKIP_PARTS & set(p.relative_to(root).parts)]
+
+
+def stdlib_code_files(limit: int | None = None) -> list[str]:
+    """The standard library's own modules (the same files the prompts come from), whole: code as written."""
+    texts = []
+    for path in _stdlib_files()[:limit]:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return texts
+
+
 def stdlib_code_prompts(limit: int | None = None, min_doc_chars: int = 40) -> list[str]:
     """Documented public functions of the standard library as ``def ...: \"\"\"doc\"\"\"`` prompts, sorted, unique."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip", "tkinter"}
     prompts: list[str] = []
-    for path in sorted(root.rglob("*.py")):
-        if skip & set(path.relative_to(root).parts):
-            continue
+    for path in _stdlib_files():
         prompts += _function_prompts(path, min_doc_chars)
     prompts = sorted(set(prompts))
     return prompts[:limit] if limit else prompts

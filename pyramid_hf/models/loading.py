@@ -64,13 +64,20 @@ def offline_name_for(hub_id: str) -> str | None:
     return next((name for name, s in OFFLINE_SOURCES.items() if s.hub_id == hub_id), None)
 
 
-def _from_folder(folder: Path, dtype, device_map):
+def _from_folder(folder: Path, dtype, device_map, reduced_vocab: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..vocab_head import SIDECAR, apply_reduced_vocab, load_reduced_vocab
 
     if any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors")):
         raise ValueError(f"{folder} holds only pickled weights (*.bin); convert them to safetensors first")
     tokenizer = AutoTokenizer.from_pretrained(folder) if _has_tokenizer(folder) else None
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map)
+    kept_ids = load_reduced_vocab(folder) if reduced_vocab else None
+    if kept_ids is not None:
+        apply_reduced_vocab(model, kept_ids)
+        logger.info("%s: LM head over a reduced vocabulary of %d tokens (%s; reduced_vocab=False loads the full head)",
+                    folder, kept_ids.numel(), SIDECAR)
     return model.eval(), tokenizer
 
 
@@ -78,8 +85,13 @@ def _has_tokenizer(folder: Path) -> bool:
     return any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
-def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: str | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer from ``source`` (see module docstring)."""
+def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: str | None = None,
+               reduced_vocab: bool = True) -> LoadedModel:
+    """Load a causal LM and its tokenizer from ``source`` (see module docstring).
+
+    A local folder with a ``reduced_vocab.json`` sidecar gets its reduced-vocabulary LM head
+    (`pyramid_hf.vocab_head`) unless ``reduced_vocab=False``.
+    """
     dtype = resolve_dtype(dtype)
     path = Path(source).expanduser()
     if source.endswith(".gguf"):
@@ -90,7 +102,7 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is a folder without config.json, not a model folder")
-        model, tokenizer = _from_folder(path, dtype, device_map)
+        model, tokenizer = _from_folder(path, dtype, device_map, reduced_vocab)
         return LoadedModel(model, tokenizer, f"local folder {path}")
     if source in OFFLINE_SOURCES:
         return _load_offline(source, dtype, device_map, "asked for by name")

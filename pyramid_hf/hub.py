@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import PyramidConfig
+from .vocab_head import SIDECAR, load_reduced_vocab
 
 logger = logging.getLogger("pyramid_hf")
 
@@ -227,6 +228,10 @@ def publish(args: PublishArgs, config: PyramidConfig | None = None, explicit: se
     copy_model_files(src, out)
     write_generation_config(src, out, knobs)
     weights = "PEFT adapter (safetensors)" if kind == "adapter" else "safetensors"
+    kept_ids = load_reduced_vocab(out)
+    if kept_ids is not None:
+        weights += (f"; LM head over a reduced vocabulary of {kept_ids.numel()} tokens (`{SIDECAR}`, applied by "
+                    "`pyramid_hf.models.load_model`; plain `from_pretrained` loads the full head)")
     card = render_card(args, knobs, weights, sections)
     card.save(out / "README.md")
     files = sorted(p for p in out.iterdir() if p.is_file())

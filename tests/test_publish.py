@@ -178,3 +178,14 @@ def test_cli_publish_dry_run(model_dir, tmp_path, capsys):
     assert rc == 0 and "dry run" in capsys.readouterr().out
     assert json.loads((tmp_path / "o" / "generation_config.json").read_text())["pyramid"]["draft_tokens"] == 5
     assert main(["publish", "--model", str(model_dir), "--repo-id", "nope", "--output-dir", str(tmp_path / "p")]) == 2
+
+
+def test_a_reduced_vocabulary_sidecar_is_published_and_named_in_the_card(model_dir, tmp_path):
+    from pyramid_hf.models import load_model
+    from pyramid_hf.vocab_head import SIDECAR, ReducedVocabHead, save_reduced_vocab
+
+    save_reduced_vocab(model_dir, list(range(0, VOCAB, 2)), source="test")
+    out = publish(_args(model_dir, tmp_path / "out"))
+    assert (out / SIDECAR).read_text() == (model_dir / SIDECAR).read_text()
+    assert f"reduced vocabulary of {len(range(0, VOCAB, 2))} tokens" in ModelCard.load(out / "README.md").text
+    assert isinstance(load_model(str(out)).model.get_output_embeddings(), ReducedVocabHead)

@@ -98,3 +98,15 @@ def test_report_needs_ar():
     records = make_records([])
     with pytest.raises(ValueError, match="needs an ar record"):
         fill_relative_speedups(records)
+
+
+def test_plot_labels_are_short_and_keep_every_knob(bench_output):
+    from pyramid_hf.bench.report import short_label
+
+    paths, _ = bench_output
+    _, records = load_results(paths["json"])
+    psd_f = next(r for r in records if r.method == "psd_f")
+    label = short_label(psd_f)
+    assert label.startswith("psd_f lD=") and " lQ=" in label and " tT=" in label and " tQ=" in label
+    assert label.index("lD=") < label.index("lQ=") < label.index("tT=") < label.index("tQ=")
+    assert short_label(next(r for r in records if r.method == "ar")) == "ar"

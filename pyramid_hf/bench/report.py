@@ -133,6 +133,17 @@ def markdown_table(config: dict, records: list[MethodRecord]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_SHORT_KNOBS = {"num_tokens": "l", "draft_tokens": "lD", "qualifier_tokens": "lQ", "tau_target": "tT",
+                "tau_qualifier": "tQ"}
+
+
+def short_label(record: MethodRecord) -> str:
+    """A compact label for plots: ``psd_f lD=2 lQ=4 tT=0.3 tQ=0.2``."""
+    order = list(_SHORT_KNOBS)
+    names = sorted(record.knobs, key=lambda k: order.index(k) if k in order else len(order))
+    return " ".join([record.method] + [f"{_SHORT_KNOBS.get(k, k)}={record.knobs[k]}" for k in names])
+
+
 def plot_speed_quality(records: list[MethodRecord], path: Path, title: str) -> Path:
     import matplotlib
 
@@ -142,22 +153,23 @@ def plot_speed_quality(records: list[MethodRecord], path: Path, title: str) -> P
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = {m: plt.cm.tab10(i) for i, m in enumerate(ALL_METHODS)}
     unmeasured = []
-    for r in records:
+    for i, r in enumerate(records):
         if r.pass_at_1 is None:
             unmeasured.append(r.label)
             continue
         ax.scatter(r.tokens_per_s, 100 * r.pass_at_1, color=colors[r.method], s=40,
                    label=r.method if r.method not in ax.get_legend_handles_labels()[1] else None)
-        ax.annotate(r.label, (r.tokens_per_s, 100 * r.pass_at_1), fontsize=7, xytext=(4, 3),
-                    textcoords="offset points")
+        ax.annotate(short_label(r), (r.tokens_per_s, 100 * r.pass_at_1), fontsize=7, color=colors[r.method],
+                    xytext=(5, 10 - 9 * (i % 3)), textcoords="offset points")  # staggered: neighbours overlap less
     ax.set_xlabel("tokens/s (median over prompts)")
     ax.set_ylabel("pass@1 (%)")
     ax.set_title(title + (f"\n(no pass@1 for: {', '.join(unmeasured)})" if unmeasured else ""), fontsize=9)
     ax.grid(alpha=0.3)
+    ax.margins(x=0.25, y=0.15)  # room for the labels inside the axes
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -12,7 +12,8 @@ probabilities (speculative sampling's residual ``max(0, p - q)`` covers the toke
     save_reduced_vocab(folder, kept_ids, source=...)  # a sidecar next to the unchanged full checkpoint
 
 The checkpoint keeps its full head, so plain ``from_pretrained`` still loads it; `pyramid_hf.models.load_model`
-applies the sidecar (``reduced_vocab.json``) when it finds one.
+applies the sidecar (``reduced_vocab.json``) when it finds one. Save the folder, not a model whose head was swapped
+in memory: its ``save_pretrained`` would write ``lm_head.kept_weight``, which plain Transformers cannot load.
 """
 
 from __future__ import annotations

@@ -153,14 +153,17 @@ def plot_speed_quality(records: list[MethodRecord], path: Path, title: str) -> P
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = {m: plt.cm.tab10(i) for i, m in enumerate(ALL_METHODS)}
     unmeasured = []
-    for i, r in enumerate(records):
+    same_height: dict[float, int] = {}  # points at one pass@1 value get their labels stacked, not overlaid
+    for r in records:
         if r.pass_at_1 is None:
             unmeasured.append(r.label)
             continue
+        rank = same_height[r.pass_at_1] = same_height.get(r.pass_at_1, -1) + 1
         ax.scatter(r.tokens_per_s, 100 * r.pass_at_1, color=colors[r.method], s=40,
                    label=r.method if r.method not in ax.get_legend_handles_labels()[1] else None)
         ax.annotate(short_label(r), (r.tokens_per_s, 100 * r.pass_at_1), fontsize=7, color=colors[r.method],
-                    xytext=(5, 10 - 9 * (i % 3)), textcoords="offset points")  # staggered: neighbours overlap less
+                    xytext=(5, 6 - 10 * rank), textcoords="offset points",
+                    arrowprops={"arrowstyle": "-", "color": colors[r.method], "lw": 0.5} if rank else None)
     ax.set_xlabel("tokens/s (median over prompts)")
     ax.set_ylabel("pass@1 (%)")
     ax.set_title(title + (f"\n(no pass@1 for: {', '.join(unmeasured)})" if unmeasured else ""), fontsize=9)

@@ -141,8 +141,8 @@ def reduce_vocab(argv: list[str]) -> int:
                                      "unchanged weights; lossless under exact verification)")
     parser.add_argument("--model", required=True, help="model folder (e.g. a distilled draft)")
     parser.add_argument("--vocab_size", "--vocab-size", type=int, default=16384, help="tokens the head keeps")
-    parser.add_argument("--texts", default="stdlib-code", help="where token counts come from: 'stdlib-code' (whole "
-                        "documented standard-library functions) or a Hub dataset / saved dataset folder")
+    parser.add_argument("--texts", default="stdlib-code", help="where token counts come from: 'stdlib-code' (the "
+                        "standard library's own modules, whole) or a Hub dataset / saved dataset folder")
     parser.add_argument("--limit", type=int, default=None, help="count on at most this many texts")
     parser.add_argument("--out", required=True, help="output folder (the model folder itself adds only the sidecar)")
     ns = parser.parse_args(argv)

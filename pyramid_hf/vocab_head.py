@@ -146,12 +146,12 @@ def reduce_vocab_texts(source: str, limit: int | None = None) -> list[str]:
     return list(load_prompts(source, limit=limit)["prompt"])
 
 
-def _always_kept_ids(folder: Path, tokenizer) -> list[int]:
+def _always_kept_ids(folder: Path, tokenizer, config) -> list[int]:
     """Special tokens and every EOS / pad id the model's configs name: a draft must be able to stop."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     ids = set(tokenizer.all_special_ids)
-    configs = [_text_config(AutoConfig.from_pretrained(folder))]
+    configs = [config]
     if (folder / "generation_config.json").is_file():
         configs.append(GenerationConfig.from_pretrained(folder))
     for config in configs:
@@ -171,12 +171,13 @@ def reduce_vocab_folder(model_dir, out, *, size: int, texts: str = "stdlib-code"
     if not (src / "config.json").is_file():
         raise ValueError(f"{src} is not a model folder (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(src)
-    vocab_size = int(_text_config(AutoConfig.from_pretrained(src)).vocab_size)
+    config = _text_config(AutoConfig.from_pretrained(src))
+    vocab_size = int(config.vocab_size)
     corpus = reduce_vocab_texts(texts, limit)
     if not corpus:
         raise ValueError(f"no texts to count tokens on from {texts!r}")
     counts = token_counts(tokenizer, corpus, vocab_size)
-    kept_ids = select_vocab(counts, size, always_keep=_always_kept_ids(src, tokenizer))
+    kept_ids = select_vocab(counts, size, always_keep=_always_kept_ids(src, tokenizer, config))
     share = coverage(counts, kept_ids)
     if out.resolve() != src.resolve():
         out.mkdir(parents=True, exist_ok=True)

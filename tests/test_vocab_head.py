@@ -1,6 +1,7 @@
 """Reduced-vocabulary draft heads: same logits on kept ids, -inf elsewhere, and still lossless under exact rules."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -87,16 +88,20 @@ def test_pyramid_with_reduced_heads_matches_target_greedy(arch, qualifier_rule, 
     assert torch.equal(got, expected), f"{got.tolist()} != {expected.tolist()}"
 
 
-def test_fuzzy_rules_reject_what_a_reduced_draft_cannot_say():
+def test_fuzzy_rules_handle_the_zeros_of_a_reduced_draft():
+    """KL(p_qualifier || q_draft) is infinite when q is zero where p is not: every proposal is rejected. JS and TV
+    stay finite (no NaN): at their upper bound every proposal is kept."""
     target, qualifier, draft = tiny_trio("llama", seed=30)
     apply_reduced_vocab(draft, KEPT)
-    for divergence in ("kl", "js", "tv"):
+    for divergence, tau, all_kept in (("kl", 0.3, False), ("js", math.log(2.0), True), ("tv", 1.0, True)):
         assistant = PyramidAssistant(qualifier, draft, PyramidConfig(draft_tokens=3, qualifier_tokens=4,
                                                                      qualifier_rule="fuzzy", divergence=divergence,
-                                                                     tau_qualifier=0.3))
+                                                                     tau_qualifier=tau))
         out = target.generate(_ids(3), assistant_model=assistant, do_sample=False, max_new_tokens=24)
         assert out.shape[1] == 7 + 24
-        assert 0 <= assistant.stats.draft_accepted <= assistant.stats.draft_proposed
+        stats = assistant.stats
+        assert stats.draft_proposed > 0
+        assert stats.draft_accepted == (stats.draft_proposed if all_kept else 0), (divergence, stats.draft_accepted)
 
 
 def test_sampling_with_a_reduced_draft_matches_the_target_distribution(sharp_trio):  # noqa: F811

@@ -6,7 +6,7 @@ from tiny import tiny_trio
 
 from pyramid_hf.bench.meter import ForwardMeter
 from pyramid_hf.bench.methods import Method, default_grid, method_kwargs
-from pyramid_hf.bench.runner import GenerationSettings, Prompt, Runner
+from pyramid_hf.bench.runner import GenerationSettings, Prompt, Runner, StopInNewText, cut_at_stop
 from pyramid_hf.bench.summary import analytic_speedup, first_difference, summarize
 from pyramid_hf.trio import Trio
 
@@ -87,3 +87,41 @@ def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 5, 3], [1, 2, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+class _CharTokenizer:
+    """Decodes id i to chr(ord('a') + i % 26), except ids 0 -> newline and 1 -> '#'."""
+
+    pad_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\n" if i == 0 else "#" if i == 1 else chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_in_new_text_sees_a_stop_string_inside_a_block_and_cut_keeps_through_it():
+    tok = _CharTokenizer()
+    crit = StopInNewText(tok, ("\n#",), prompt_length=2)
+    # prompt "\n#" itself must not count; a block "cd\n#ef" added at once must
+    assert not crit(torch.tensor([[0, 1, 2, 3]]), None).item()
+    assert crit(torch.tensor([[0, 1, 2, 3, 0, 1, 4, 5]]), None).item()
+    assert cut_at_stop(tok, [2, 3, 0, 1, 4, 5], ("\n#",)) == [2, 3, 0, 1]
+    assert cut_at_stop(tok, [2, 3, 4], ("\n#",)) == [2, 3, 4]
+    assert cut_at_stop(tok, [0, 1], ("\n#", "zz")) == [0, 1]
+    assert cut_at_stop(tok, [], ("\n#",)) == []
+
+
+def test_two_model_sd_is_cut_at_a_stop_string_inside_its_block(trio):
+    """The cut is what AR produces: SD's overshoot is dropped, its generated tokens still counted for acceptance."""
+    tok = _CharTokenizer()
+    prompt = _prompts(1)[0]
+    plain = Runner(Trio(trio.target, trio.qualifier, trio.draft, tok), GenerationSettings(max_new_tokens=24), progress=False)
+    ar_ids = plain.run_one(Method.make("ar"), prompt).new_ids
+    stop = tok.decode(ar_ids[8:10])  # a two-character string that AR completes at its 10th token
+    first = next(i for i in range(2, len(ar_ids) + 1) if stop in tok.decode(ar_ids[:i]))
+    settings = GenerationSettings(max_new_tokens=24, stop_strings=(stop,))
+    runner = Runner(Trio(trio.target, trio.qualifier, trio.draft, tok), settings, progress=False)
+    for method in (Method.make("ar"), Method.make("sd_qualifier", num_tokens=5),
+                   Method.make("psd", draft_tokens=2, qualifier_tokens=5)):
+        run = runner.run_one(method, prompt)
+        assert run.new_ids == ar_ids[:first], method.label
+        assert first <= run.generated_tokens < first + 7, method.label

@@ -33,6 +33,7 @@ class MethodRecord:
     prefill_s: float = 0.0
     n_prompts: int = 0
     new_tokens: int = 0
+    generated_tokens: int = 0
     wall_s: float = 0.0
     forward_calls: dict = field(default_factory=dict)
     forward_time_s: dict = field(default_factory=dict)
@@ -128,8 +129,8 @@ def markdown_table(config: dict, records: list[MethodRecord]) -> str:
               "costs with zero framework overhead. overhead: wall time outside model forwards. decode tok/s: tokens per "
               "second once each model's first forward (the prompt's prefill) is done. identical to AR: "
               "share of prompts with AR's exact tokens (bf16 can flip near-tie argmaxes; exactness is proven by the "
-              "fp32 tests; Transformers' own SD checks stop strings only at the end of each accepted block, so it "
-              "can run past a stop string that AR and the pyramid stop on)."]
+              "fp32 tests). Completions end at the first stop string anywhere in the new text: two-model SD "
+              "stops after the block that holds it, and the tokens past it are cut, not counted (their time is)."]
     return "\n".join(lines) + "\n"
 
 

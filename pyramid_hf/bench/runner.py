@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .meter import ForwardMeter
 from .methods import Method, Trio, method_kwargs
@@ -40,6 +41,11 @@ class RunResult:
     pyramid_stats: dict | None = None
     check: object = None  # humaneval.CheckResult once checked
     prefill_s: float = 0.0  # the models' first forwards (prompt prefill), inside wall_s
+    generated_tokens: int | None = None  # what generate() returned, before the cut at a stop string
+
+    def __post_init__(self):
+        if self.generated_tokens is None:
+            self.generated_tokens = len(self.new_ids)
 
     @property
     def new_tokens(self) -> int:
@@ -68,32 +74,59 @@ class GenerationSettings:
     stop_strings: tuple = ()
     seed: int = 0
 
-    def generate_kwargs(self, tokenizer) -> dict:
+    def generate_kwargs(self, tokenizer, prompt_length: int = 0) -> dict:
         kwargs = {"max_new_tokens": self.max_new_tokens, "do_sample": self.do_sample}
         if self.do_sample:
             kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         if self.stop_strings:
             # as a stopping criterion, not `stop_strings=`: Transformers' assisted generation copies the target's
             # generation config into the assistant's generate(), which then fails for want of a tokenizer
-            kwargs["stopping_criteria"] = _stop_criteria(tokenizer, self.stop_strings)
+            if tokenizer is None:
+                raise ValueError("stop strings need the trio's tokenizer")
+            kwargs["stopping_criteria"] = StoppingCriteriaList(
+                [StopInNewText(tokenizer, self.stop_strings, prompt_length)])
         if tokenizer is not None and tokenizer.pad_token_id is not None:
             kwargs["pad_token_id"] = tokenizer.pad_token_id
         return kwargs
 
 
-_STOP_CRITERIA: dict = {}
+class StopInNewText(StoppingCriteria):
+    """Stops once any stop string occurs ANYWHERE in the text generated after the prompt.
+
+    Transformers' ``StopStringCriteria`` only looks at the end of the sequence, which token-by-token decoding
+    always reaches, but two-model SD adds whole blocks and so runs past a stop string inside a block. Looking at
+    the whole new text makes every method stop in the round that produced the stop string; the runner then cuts
+    the completion after it (``cut_at_stop``), so every method is timed and scored on the same completion.
+    """
+
+    def __init__(self, tokenizer, stop_strings, prompt_length: int):
+        self.tokenizer, self.stop_strings, self.prompt_length = tokenizer, tuple(stop_strings), prompt_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = [has_stop(self.tokenizer, row[self.prompt_length:].tolist(), self.stop_strings) for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
-def _stop_criteria(tokenizer, stop_strings: tuple):
-    """One StopStringCriteria per tokenizer and strings (building its token tables takes a while on big vocabs)."""
-    from transformers import StoppingCriteriaList, StopStringCriteria
+def has_stop(tokenizer, ids: list, stop_strings: tuple) -> bool:
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    return any(s in text for s in stop_strings)
 
-    if tokenizer is None:
-        raise ValueError("stop strings need the trio's tokenizer")
-    key = (id(tokenizer), tuple(stop_strings))
-    if key not in _STOP_CRITERIA:
-        _STOP_CRITERIA[key] = (tokenizer, StoppingCriteriaList([StopStringCriteria(tokenizer, list(stop_strings))]))
-    return _STOP_CRITERIA[key][1]
+
+def cut_at_stop(tokenizer, ids: list, stop_strings: tuple) -> list:
+    """The shortest prefix of ``ids`` whose text contains a stop string (all of ``ids`` when none does).
+
+    Containing a stop string is monotone in the prefix length, so a binary search finds the cut.
+    """
+    if not stop_strings or not ids or not has_stop(tokenizer, ids, stop_strings):
+        return ids
+    lo, hi = 1, len(ids)  # the answer lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if has_stop(tokenizer, ids[:mid], stop_strings):
+            hi = mid
+        else:
+            lo = mid + 1
+    return ids[:lo]
 
 
 @dataclass
@@ -108,24 +141,25 @@ class Runner:
 
     @torch.no_grad()
     def run_one(self, method: Method, prompt: Prompt, max_new_tokens: int | None = None) -> RunResult:
-        kwargs = self.settings.generate_kwargs(self.trio.tokenizer)
+        input_ids = prompt.input_ids.to(self.trio.target.device)
+        kwargs = self.settings.generate_kwargs(self.trio.tokenizer, input_ids.shape[1])
         if max_new_tokens is not None:
             kwargs["max_new_tokens"] = max_new_tokens
         kwargs.update(method_kwargs(method, self.trio, self.assistants))
-        input_ids = prompt.input_ids.to(self.trio.target.device)
         torch.manual_seed(self.settings.seed + prompt.index)
         self.meter.reset()
         with self.meter:
             start = time.perf_counter()
             out = self.trio.target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
             wall = time.perf_counter() - start
-        new_ids = out[0, input_ids.shape[1]:].tolist()
+        generated_ids = out[0, input_ids.shape[1]:].tolist()
+        new_ids = cut_at_stop(self.trio.tokenizer, generated_ids, self.settings.stop_strings)
         calls, seconds = self.meter.snapshot()
         assistant = kwargs.get("assistant_model")
         stats = assistant.stats.to_dict() if getattr(assistant, "_is_pyramid_assistant", False) else None
         text = self.trio.tokenizer.decode(new_ids, skip_special_tokens=True) if self.trio.tokenizer else ""
         return RunResult(method.label, prompt.index, new_ids, text, wall, calls, seconds, stats,
-                         prefill_s=self.meter.prefill_seconds())
+                         prefill_s=self.meter.prefill_seconds(), generated_tokens=len(generated_ids))
 
     def warm_up(self, methods: list[Method], prompt: Prompt, tokens: int = 16) -> None:
         """One short untimed run of every method: first-call costs (allocations, kernels) stay out of the numbers."""

@@ -43,7 +43,7 @@ def acceptance(method: Method, runs: list[RunResult]) -> dict:
     if method.method in ("sd_qualifier", "sd_draft"):
         role = "qualifier" if method.method == "sd_qualifier" else "draft"
         proposed = sum(r.forward_calls[role] for r in runs)
-        accepted = sum(r.new_tokens - r.forward_calls["target"] for r in runs)
+        accepted = sum(r.generated_tokens - r.forward_calls["target"] for r in runs)
         key = "qualifier->target" if role == "qualifier" else "draft->target"
         stages[key] = max(0, accepted) / proposed if proposed else None
     return stages
@@ -52,6 +52,7 @@ def acceptance(method: Method, runs: list[RunResult]) -> dict:
 def summarize(method: Method, runs: list[RunResult], ar_runs: list[RunResult] | None, greedy: bool) -> dict:
     """Aggregate numbers of one method (speedups relative to other methods are filled in later)."""
     new_tokens = sum(r.new_tokens for r in runs)
+    generated_tokens = sum(r.generated_tokens for r in runs)  # incl. any block past a stop string
     wall = sum(r.wall_s for r in runs)
     calls = _sum_dicts([r.forward_calls for r in runs])
     seconds = _sum_dicts([r.forward_time_s for r in runs])
@@ -68,12 +69,13 @@ def summarize(method: Method, runs: list[RunResult], ar_runs: list[RunResult] | 
         "knobs": method.knob_dict,
         "n_prompts": len(runs),
         "new_tokens": new_tokens,
+        "generated_tokens": generated_tokens,
         "wall_s": wall,
         "tokens_per_s": statistics.median(r.tokens_per_s for r in runs) if runs else 0.0,
         "decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in runs) if runs else 0.0,
         "prefill_s": sum(r.prefill_s for r in runs),
         "acceptance": acceptance(method, runs),
-        "mean_tokens_per_target_call": new_tokens / calls["target"] if calls.get("target") else 0.0,
+        "mean_tokens_per_target_call": generated_tokens / calls["target"] if calls.get("target") else 0.0,
         "forward_calls": calls,
         "forward_time_s": seconds,
         "overhead_share": max(0.0, wall - model_time) / wall if wall > 0 else 0.0,
@@ -81,7 +83,7 @@ def summarize(method: Method, runs: list[RunResult], ar_runs: list[RunResult] | 
         "first_diff_positions": first_diffs,
         "pass_at_1": sum(c.passed for c in checked) / len(checked) if checked else None,
         "per_prompt": [
-            {"task": r.prompt_index, "new_tokens": r.new_tokens, "wall_s": r.wall_s, "tokens_per_s": r.tokens_per_s,
+            {"task": r.prompt_index, "new_tokens": r.new_tokens, "generated_tokens": r.generated_tokens, "wall_s": r.wall_s, "tokens_per_s": r.tokens_per_s,
              "prefill_s": r.prefill_s, "decode_tokens_per_s": r.decode_tokens_per_s,
              "target_calls": r.forward_calls.get("target", 0),
              "passed": None if r.check is None else r.check.passed}

@@ -20,7 +20,7 @@ class GenerateArgs:
     preset: str | None = field(default="qwen-coder-cpu", metadata={"help": "a named trio (`pyramid-sd models list`)"})
     target: str | None = field(default=None, metadata={"help": "override the target (Hub id, folder, GGUF file)"})
     qualifier: str | None = field(default=None, metadata={"help": "override the qualifier"})
-    draft: str | None = field(default=None, metadata={"help": "override the draft: a model, prompt_lookup or none"})
+    draft: str | None = field(default=None, metadata={"help": "override the draft: a model, prompt_lookup, ngram (lookup + a standard-library n-gram table) or none"})
     method: str = field(default="psd", metadata={"help": "ar (target alone), sd (qualifier drafts), psd (pyramid)"})
     sd_tokens: int = field(default=5, metadata={"help": "draft length for --method sd"})
     chat: bool = field(default=False, metadata={"help": "wrap the prompt in the tokenizer's chat template"})

@@ -10,11 +10,13 @@ from .assistant import PROMPT_LOOKUP
 logger = logging.getLogger("pyramid_hf")
 
 NO_DRAFT = "none"
+NGRAM = "ngram"  # prompt lookup plus a standard-library n-gram table (pyramid_hf/ngram_draft.py)
+FREE_DRAFTS = (PROMPT_LOOKUP, NGRAM)
 
 
 @dataclass
 class Trio:
-    """Loaded models: ``draft`` is a model, ``"prompt_lookup"`` or None (the qualifier drafts alone)."""
+    """Loaded models: ``draft`` is a model, ``"prompt_lookup"``, a `CorpusNgramDraft` or None (the qualifier alone)."""
 
     target: object
     qualifier: object
@@ -24,7 +26,7 @@ class Trio:
 
     @property
     def has_model_draft(self) -> bool:
-        return self.draft is not None and not isinstance(self.draft, str)
+        return self.draft is not None and hasattr(self.draft, "forward")
 
     def roles(self) -> dict:
         """role -> model, for the models that run forwards."""
@@ -42,7 +44,8 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
               dtype="bfloat16", device_map=None, need_draft: bool = True) -> Trio:
     """Load the target, qualifier and draft named by ``preset`` (a `Preset`), each overridable by a source string.
 
-    ``draft`` may also be ``"prompt_lookup"`` (free n-gram drafting) or ``"none"``. ``need_draft=False`` skips
+    ``draft`` may also be ``"prompt_lookup"`` (free n-gram drafting over the text so far), ``"ngram"`` (that plus
+    a standard-library n-gram table, built once per tokenizer and cached) or ``"none"``. ``need_draft=False`` skips
     loading a model draft (e.g. for methods that never use it).
     """
     from .models import load_model
@@ -58,18 +61,34 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
     loaded = {}
     for role in ("target", "qualifier", "draft"):
         source = sources[role]
-        if role == "draft" and (not source or source in (PROMPT_LOOKUP, NO_DRAFT) or not need_draft):
+        if role == "draft" and (not source or source in FREE_DRAFTS + (NO_DRAFT,) or not need_draft):
             continue
         loaded[role] = load_model(source, dtype=dtype, device_map=device_map)
         logger.info("%s: %s", role, loaded[role].origin)
     draft_source = sources["draft"]
-    draft_obj = loaded["draft"].model if "draft" in loaded else (
-        PROMPT_LOOKUP if draft_source == PROMPT_LOOKUP else None)
     tokenizer = loaded["target"].tokenizer
+    if "draft" in loaded:
+        draft_obj = loaded["draft"].model
+    elif draft_source == NGRAM:
+        draft_obj = ngram_draft(tokenizer, loaded["target"].model)
+    else:
+        draft_obj = PROMPT_LOOKUP if draft_source == PROMPT_LOOKUP else None
     _check_same_tokenizer(tokenizer, {role: lm.tokenizer for role, lm in loaded.items() if role != "target"})
     return Trio(loaded["target"].model, loaded["qualifier"].model, draft_obj, tokenizer,
                 {role: lm.origin for role, lm in loaded.items()} | ({"draft": draft_source} if "draft" not in loaded
                                                                    else {}))
+
+
+def ngram_draft(tokenizer, target):
+    """The ``"ngram"`` draft for ``tokenizer``: its standard-library table is built once and cached."""
+    from .models import cache_root
+    from .ngram_draft import CorpusNgramDraft, stdlib_ngram_table
+
+    if tokenizer is None:
+        raise ValueError("the ngram draft needs the target's tokenizer (to tokenize its corpus)")
+    eos = target.generation_config.eos_token_id if target.generation_config.eos_token_id is not None \
+        else tokenizer.eos_token_id
+    return CorpusNgramDraft(stdlib_ngram_table(tokenizer, cache_root()), eos_token_id=eos)
 
 
 def _check_same_tokenizer(target_tokenizer, others: dict) -> None:

@@ -16,6 +16,7 @@ from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
 import pyramid_hf.acceptance as acceptance
 from pyramid_hf import PyramidAssistant, PyramidConfig
+from pyramid_hf.ngram_draft import CorpusNgramDraft, NgramTable
 
 V = 8
 NEW = 3
@@ -67,10 +68,18 @@ def _pvalues(samples, joint):
     return pvals
 
 
+def _ngram_draft():
+    """A corpus n-gram draft over V tokens whose table holds the prompt's continuation 1,2,3 -> 4,5 and noise."""
+    g = torch.Generator().manual_seed(0)
+    rows = [[1, 2, 3, 4, 5, 6]] * 3 + torch.randint(0, V, (20, 12), generator=g).tolist()
+    return CorpusNgramDraft(NgramTable.build(rows), num_output_tokens=2)
+
+
 @pytest.mark.parametrize("rule,draft", [("exact", "model"), ("assisted", "model"), ("exact", "prompt_lookup"),
-                                        ("exact", None)])
+                                        ("exact", "ngram"), ("exact", None)])
 def test_sampling_matches_target_distribution(sharp_trio, rule, draft):
     target, qualifier, draft_model = sharp_trio
+    draft = _ngram_draft() if draft == "ngram" else draft
     assistant = PyramidAssistant(qualifier, draft_model if draft == "model" else draft,
                                  PyramidConfig(draft_tokens=2, qualifier_tokens=2, qualifier_rule=rule))
     pvals = _pvalues(_samples(target, assistant), _target_joint(target))

@@ -39,7 +39,7 @@ class BenchArgs:
     preset: str = field(default="qwen-coder-cpu", metadata={"help": "a named trio (see `pyramid-sd models list`)"})
     target: str | None = field(default=None, metadata={"help": "override the preset's target (Hub id, folder, GGUF)"})
     qualifier: str | None = field(default=None, metadata={"help": "override the preset's qualifier"})
-    draft: str | None = field(default=None, metadata={"help": "override the draft: a model, prompt_lookup or none"})
+    draft: str | None = field(default=None, metadata={"help": "override the draft: a model, prompt_lookup, ngram (lookup + a standard-library n-gram table) or none"})
     dataset: str = field(default="humaneval", metadata={"help": "prompt set (humaneval)"})
     split: str = field(default="test", metadata={"help": "humaneval tasks to report on: dev (0-81), test (82-163), all"})
     limit: int | None = field(default=10, metadata={"help": "first N prompts of the split"})

@@ -21,8 +21,9 @@ class PyramidAssistant:
     Args:
         qualifier: the middle model (a causal LM sharing the target's tokenizer).
         draft: the bottom level: a causal LM, ``"prompt_lookup"`` (free n-gram drafting over the prompt and
-            the text so far), any Transformers `CandidateGenerator` instance, or None (the qualifier drafts
-            alone: plain two-model speculative decoding).
+            the text so far), any Transformers `CandidateGenerator` instance (e.g. a
+            `pyramid_hf.ngram_draft.CorpusNgramDraft`: lookup plus a corpus n-gram table), or None (the qualifier
+            drafts alone: plain two-model speculative decoding).
         config: a `PyramidConfig` (defaults: exact rules, l_D=4, l_Q=8).
         lookup_ngram_size: longest n-gram matched by ``"prompt_lookup"``.
 

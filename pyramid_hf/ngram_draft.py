@@ -135,10 +135,9 @@ def _best_next(ctx: np.ndarray, nxt: np.ndarray):
 
 def stdlib_ngram_table(tokenizer, cache_dir, orders=(6, 5, 4, 3, 2, 1), limit: int | None = None) -> NgramTable:
     """The table over the standard library's modules tokenized by ``tokenizer``, built once and cached."""
-    from .prompts import stdlib_code_files
+    from .prompts import corpus_cache_key, stdlib_code_files
 
-    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-    key = f"{Path(str(name)).name}-v{len(tokenizer)}-o{''.join(map(str, sorted(orders)))}-n{limit or 'all'}"
+    key = f"{corpus_cache_key(tokenizer)}-o{''.join(map(str, sorted(orders)))}-n{limit or 'all'}"
     path = Path(cache_dir) / "ngram" / f"stdlib-{key}.npz"
     if path.is_file():
         try:

@@ -8,6 +8,8 @@ benchmarked on. ``load_prompts("org/name")`` takes any Hub dataset with a text c
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
 import sys
 import sysconfig
 from pathlib import Path
@@ -53,6 +55,14 @@ def stdlib_code_files(limit: int | None = None) -> list[str]:
         except (OSError, UnicodeDecodeError):
             continue
     return texts
+
+
+def corpus_cache_key(tokenizer) -> str:
+    """Names what a table counted over the standard library depends on: this Python's stdlib and the tokenizer's
+    exact vocabulary (token -> id), so two tokenizers never share a cached table even in same-named folders."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    digest = hashlib.sha1(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:12]
+    return f"py{sys.version_info.major}{sys.version_info.minor}-tok{digest}"
 
 
 def stdlib_code_prompts(limit: int | None = None, min_doc_chars: int = 40) -> list[str]:

@@ -21,6 +21,9 @@ class GenerateArgs:
     target: str | None = field(default=None, metadata={"help": "override the target (Hub id, folder, GGUF file)"})
     qualifier: str | None = field(default=None, metadata={"help": "override the qualifier"})
     draft: str | None = field(default=None, metadata={"help": "override the draft: a model, prompt_lookup, ngram (lookup + a standard-library n-gram table) or none"})
+    qualifier_vocab_size: int | None = field(default=None, metadata={
+        "help": "LM head of the qualifier over this many most frequent tokens (lossless, cheaper); 0 = full head; "
+                "default: the preset's"})
     method: str = field(default="psd", metadata={"help": "ar (target alone), sd (qualifier drafts), psd (pyramid)"})
     sd_tokens: int = field(default=5, metadata={"help": "draft length for --method sd"})
     chat: bool = field(default=False, metadata={"help": "wrap the prompt in the tokenizer's chat template"})
@@ -59,6 +62,7 @@ def run_generate(args: GenerateArgs, config: PyramidConfig, explicit_knobs: set,
     torch.manual_seed(args.seed)
     preset = get_preset(args.preset) if args.preset else None
     trio = load_trio(preset, target=args.target, qualifier=args.qualifier, draft=args.draft, dtype=args.dtype,
+                     qualifier_vocab_size=args.qualifier_vocab_size,
                      need_draft=args.method == "psd")
     config = _config_from_preset(config, explicit_knobs, preset)
     tok = trio.tokenizer

@@ -41,12 +41,16 @@ def _source_of(spec) -> str:
 
 
 def load_trio(preset=None, *, target: str | None = None, qualifier: str | None = None, draft: str | None = None,
-              dtype="bfloat16", device_map=None, need_draft: bool = True) -> Trio:
+              dtype="bfloat16", device_map=None, need_draft: bool = True,
+              qualifier_vocab_size: int | None = None) -> Trio:
     """Load the target, qualifier and draft named by ``preset`` (a `Preset`), each overridable by a source string.
 
     ``draft`` may also be ``"prompt_lookup"`` (free n-gram drafting over the text so far), ``"ngram"`` (that plus
     a standard-library n-gram table, built once per tokenizer and cached) or ``"none"``. ``need_draft=False`` skips
-    loading a model draft (e.g. for methods that never use it).
+    loading a model draft (e.g. for methods that never use it). ``qualifier_vocab_size`` (default: the preset's;
+    0 = the full head) gives the qualifier an LM head over that many tokens, the most frequent in the standard
+    library's code (`pyramid_hf.vocab_head.reduce_loaded_vocab`): cheaper per token and still lossless, since
+    the target verifies a proper distribution.
     """
     from .models import load_model
 
@@ -67,6 +71,10 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
         logger.info("%s: %s", role, loaded[role].origin)
     draft_source = sources["draft"]
     tokenizer = loaded["target"].tokenizer
+    if qualifier_vocab_size is None:
+        qualifier_vocab_size = getattr(preset, "qualifier_vocab_size", None) or 0
+    if qualifier_vocab_size:
+        _reduce_qualifier(loaded["qualifier"], tokenizer, qualifier_vocab_size)
     if "draft" in loaded:
         draft_obj = loaded["draft"].model
     elif draft_source == NGRAM:
@@ -77,6 +85,20 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
     return Trio(loaded["target"].model, loaded["qualifier"].model, draft_obj, tokenizer,
                 {role: lm.origin for role, lm in loaded.items()} | ({"draft": draft_source} if "draft" not in loaded
                                                                    else {}))
+
+
+def _reduce_qualifier(qualifier, tokenizer, size: int) -> None:
+    from .models import cache_root
+    from .vocab_head import ReducedVocabHead, reduce_loaded_vocab
+
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"qualifier_vocab_size must be a non-negative integer (0 = full head), got {size!r}")
+    if isinstance(qualifier.model.get_output_embeddings(), ReducedVocabHead):
+        logger.info("qualifier: already has a reduced-vocabulary head; qualifier_vocab_size=%d not applied", size)
+        return
+    facts = reduce_loaded_vocab(qualifier.model, tokenizer, size, cache_root())
+    qualifier.origin += f" (LM head over {facts['size']} tokens, {facts['coverage']:.2%} of standard-library code)"
+    logger.info("qualifier: LM head over the %d most frequent tokens (kept ids: %s)", facts["size"], facts["sidecar"])
 
 
 def ngram_draft(tokenizer, target):

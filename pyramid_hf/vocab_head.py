@@ -150,15 +150,48 @@ def _always_kept_ids(folder: Path, tokenizer, config) -> list[int]:
     """Special tokens and every EOS / pad id the model's configs name: a draft must be able to stop."""
     from transformers import GenerationConfig
 
-    ids = set(tokenizer.all_special_ids)
     configs = [config]
     if (folder / "generation_config.json").is_file():
         configs.append(GenerationConfig.from_pretrained(folder))
+    return _special_ids(tokenizer, configs)
+
+
+def _special_ids(tokenizer, configs) -> list[int]:
+    ids = set(tokenizer.all_special_ids)
     for config in configs:
         for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
             value = getattr(config, name, None)
             ids.update(value if isinstance(value, (list, tuple)) else [] if value is None else [value])
     return sorted(int(i) for i in ids)
+
+
+def reduce_loaded_vocab(model, tokenizer, size: int, cache_dir, texts: str = "stdlib-code") -> dict:
+    """Give a loaded model an LM head over the ``size`` tokens most frequent in ``texts`` (in place).
+
+    The kept ids are counted once per tokenizer and size and cached as a sidecar under ``cache_dir/vocab``.
+    Returns the sidecar's facts (size, coverage, where it is cached).
+    """
+    from .prompts import corpus_cache_key
+
+    vocab_size = int(_text_config(model.config).vocab_size)
+    key = f"{texts.replace('/', '--')}-{corpus_cache_key(tokenizer)}-v{vocab_size}-k{size}"
+    folder = Path(cache_dir) / "vocab" / key
+    try:
+        kept_ids = load_reduced_vocab(folder)
+    except ValueError as error:  # a half-written or foreign cache file: count again, never use it
+        logger.warning("recounting the reduced vocabulary: %s", error)
+        kept_ids = None
+    if kept_ids is None:
+        corpus = reduce_vocab_texts(texts)
+        counts = token_counts(tokenizer, corpus, vocab_size)
+        kept_ids = select_vocab(counts, size, always_keep=_special_ids(tokenizer, [model.config,
+                                                                                    model.generation_config]))
+        folder.mkdir(parents=True, exist_ok=True)
+        save_reduced_vocab(folder, kept_ids, source=f"{texts} ({len(corpus)} texts, {int(counts.sum())} tokens)",
+                           coverage_share=coverage(counts, kept_ids))
+    apply_reduced_vocab(model, kept_ids)
+    payload = json.loads((folder / SIDECAR).read_text())
+    return {"size": int(kept_ids.numel()), "coverage": payload.get("coverage"), "sidecar": str(folder / SIDECAR)}
 
 
 def reduce_vocab_folder(model_dir, out, *, size: int, texts: str = "stdlib-code", limit: int | None = None) -> dict:

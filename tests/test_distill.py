@@ -11,7 +11,16 @@ import yaml
 from tiny import VOCAB, tiny_model
 from trl import DistillationConfig, ModelConfig, TrlParser
 
-from pyramid_hf.distill import DistillScriptArguments, build_trainer, last_checkpoint, run, save_final
+from pyramid_hf.distill import (
+    DistillScriptArguments,
+    PromptCollator,
+    build_trainer,
+    config_class,
+    last_checkpoint,
+    run,
+    save_final,
+    trainer_of,
+)
 from pyramid_hf.testing import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,16 +28,19 @@ RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate_co
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate_configs").glob("*.yaml"))
 
 
-def _parser():
-    return TrlParser((DistillScriptArguments, DistillationConfig, ModelConfig))
+def _parser(trainer="distillation"):
+    return TrlParser((DistillScriptArguments, config_class(trainer), ModelConfig))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_recipe_parses_with_no_unknown_keys(recipe):
     raw = yaml.safe_load(recipe.read_text())
     # use_cpu: GPU recipes ask for bf16, which TrainingArguments refuses to set up on a machine without a GPU
-    script_args, training_args, model_args = _parser().parse_dict({**raw, "use_cpu": True}, allow_extra_keys=False)
-    assert script_args.stage in recipe.name
+    trainer = trainer_of(["--config", str(recipe)])
+    assert trainer == raw.get("trainer", "distillation")
+    script_args, training_args, model_args = _parser(trainer).parse_dict({**raw, "use_cpu": True},
+                                                                          allow_extra_keys=False)
+    assert script_args.stage in recipe.name and isinstance(training_args, config_class(trainer))
     assert training_args.output_dir
     for key, value in raw.items():  # anything that names a file of this repository must exist
         if isinstance(value, str) and value.startswith(("recipes/", "training/", "model_cards/")):
@@ -99,6 +111,49 @@ def test_two_steps_lower_the_loss_on_a_fixed_batch(tmp_path, use_peft):
     assert (final / "adapter").is_dir() == use_peft
     after = _fixed_batch_kl(tuned, teacher)
     assert after < before, f"KL(teacher || student) on a fixed batch went {before:.4f} -> {after:.4f}"
+
+
+def test_gkd_sequence_kd_trains_on_teacher_written_text(tmp_path):
+    """trainer gkd, lmbda 0, seq_kd: every step's text is the teacher's; two steps lower the fixed-batch KL."""
+    student, teacher = tiny_model("qwen2", seed=1), tiny_model("qwen2", hidden=96, seed=2, init=0.2)
+    before = _fixed_batch_kl(student, teacher)
+    args = config_class("gkd")(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                               max_new_tokens=8, max_length=64, learning_rate=5e-3, logging_steps=1, save_steps=2,
+                               report_to="none", use_cpu=True, bf16=False, seed=0, temperature=1.0, beta=0.0,
+                               lmbda=0.0, seq_kd=True)
+    script_args = DistillScriptArguments(student="s", teacher="t", trainer="gkd")
+    trainer = build_trainer(script_args, args, None, student=student, teacher=teacher, tokenizer=tiny_tokenizer(),
+                            train_dataset=_prompts())
+    generated = []
+    original = trainer.generate_on_policy_outputs
+
+    def spy(model, inputs, generation_config):
+        generated.append(model is trainer.teacher_model)
+        return original(model, inputs, generation_config)
+
+    trainer.generate_on_policy_outputs = spy
+    trainer.train()
+    assert trainer.state.global_step == 2 and generated == [True, True]  # the teacher wrote both steps' text
+    final = save_final(trainer, script_args)
+    assert (final / "config.json").is_file()
+    after = _fixed_batch_kl(trainer.model, teacher)
+    assert after < before, f"KL(teacher || student) on a fixed batch went {before:.4f} -> {after:.4f}"
+    with pytest.raises(TypeError, match="needs a GKDConfig"):
+        build_trainer(script_args, _training_args(tmp_path), None, student=student, teacher=teacher,
+                      tokenizer=tiny_tokenizer(), train_dataset=_prompts())
+
+
+def test_prompt_collator_left_pads_and_trainer_of_reads_flags_then_yaml(tmp_path):
+    batch = PromptCollator(tiny_tokenizer())([{"prompt": "a b c"}, {"prompt": "a"}])
+    assert batch["prompts"].shape == batch["input_ids"].shape and batch["prompt_attention_mask"][1, 0] == 0
+    assert (batch["labels"] == -100).sum() == (batch["attention_mask"] == 0).sum() > 0
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer: gkd\nstage: draft_to_qualifier\n")
+    assert trainer_of(["--config", str(recipe)]) == "gkd"
+    assert trainer_of(["--config", str(recipe), "--trainer", "distillation"]) == "distillation"
+    assert trainer_of(["--trainer=gkd"]) == "gkd" and trainer_of([]) == "distillation"
+    with pytest.raises(ValueError, match="trainer must be one of"):
+        DistillScriptArguments(student="s", teacher="t", trainer="ppo")
 
 
 def test_a_derived_student_is_cut_before_training(tmp_path):

@@ -143,3 +143,38 @@ def test_reduce_vocab_command_writes_a_sidecar_that_load_model_applies(tmp_path,
     (tmp_path / "draft-24" / SIDECAR).write_text("{not json")
     with pytest.raises(ValueError, match="not a valid reduced-vocabulary file"):
         load_reduced_vocab(tmp_path / "draft-24")
+
+
+def test_load_trio_gives_the_qualifier_a_reduced_head_and_an_ngram_draft(tmp_path, monkeypatch):
+    from pyramid_hf.ngram_draft import CorpusNgramDraft
+    from pyramid_hf.trio import load_trio
+
+    monkeypatch.setenv("PYRAMID_HF_CACHE", str(tmp_path / "cache"))
+    target, qualifier, _ = tiny_trio("qwen2", seed=6)
+    for name, model in (("target", target), ("qualifier", qualifier)):
+        model.save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    trio = load_trio(None, target=str(tmp_path / "target"), qualifier=str(tmp_path / "qualifier"), draft="ngram",
+                     dtype="float32", qualifier_vocab_size=24)
+    head = trio.qualifier.get_output_embeddings()
+    assert isinstance(head, ReducedVocabHead) and head.kept_ids.numel() == 24
+    assert "LM head over 24 tokens" in trio.origins["qualifier"]
+    sidecars = list((tmp_path / "cache" / "vocab").glob(f"*/{SIDECAR}"))
+    assert len(sidecars) == 1 and load_reduced_vocab(sidecars[0].parent).tolist() == head.kept_ids.tolist()
+    assert isinstance(trio.draft, CorpusNgramDraft) and not trio.has_model_draft
+    assert list((tmp_path / "cache" / "ngram").glob("*.npz"))
+    ids = _ids(8, 5)
+    expected = trio.target.generate(ids, do_sample=False, max_new_tokens=20)
+    got = trio.target.generate(ids, do_sample=False, max_new_tokens=20, assistant_model=PyramidAssistant(
+        trio.qualifier, trio.draft, PyramidConfig(draft_tokens=3, qualifier_tokens=4)))
+    assert torch.equal(got, expected)
+    again = load_trio(None, target=str(tmp_path / "target"), qualifier=str(tmp_path / "qualifier"), draft="none",
+                      dtype="float32", qualifier_vocab_size=24)  # the cached ids, the same head
+    assert again.qualifier.get_output_embeddings().kept_ids.tolist() == head.kept_ids.tolist()
+    sidecars[0].write_text("{half written")
+    recount = load_trio(None, target=str(tmp_path / "target"), qualifier=str(tmp_path / "qualifier"), draft="none",
+                        dtype="float32", qualifier_vocab_size=24)
+    assert recount.qualifier.get_output_embeddings().kept_ids.tolist() == head.kept_ids.tolist()
+    with pytest.raises(ValueError, match="qualifier_vocab_size must be a non-negative integer"):
+        load_trio(None, target=str(tmp_path / "target"), qualifier=str(tmp_path / "qualifier"), draft="none",
+                  dtype="float32", qualifier_vocab_size=-3)

@@ -40,6 +40,9 @@ class BenchArgs:
     target: str | None = field(default=None, metadata={"help": "override the preset's target (Hub id, folder, GGUF)"})
     qualifier: str | None = field(default=None, metadata={"help": "override the preset's qualifier"})
     draft: str | None = field(default=None, metadata={"help": "override the draft: a model, prompt_lookup, ngram (lookup + a standard-library n-gram table) or none"})
+    qualifier_vocab_size: int | None = field(default=None, metadata={
+        "help": "LM head of the qualifier over this many most frequent tokens (lossless, cheaper); 0 = full head; "
+                "default: the preset's"})
     dataset: str = field(default="humaneval", metadata={"help": "prompt set (humaneval)"})
     split: str = field(default="test", metadata={"help": "humaneval tasks to report on: dev (0-81), test (82-163), all"})
     limit: int | None = field(default=10, metadata={"help": "first N prompts of the split"})
@@ -128,7 +131,7 @@ def run_bench(args: BenchArgs, command: str | None = None) -> dict[str, Path]:
     preset = get_preset(args.preset) if args.preset else None
     need_draft = bool({"psd", "psd_a", "psd_f", "sd_draft"} & set(args.method_list))
     trio = load_trio(preset, target=args.target, qualifier=args.qualifier, draft=args.draft,
-                     dtype=args.dtype, need_draft=need_draft)
+                     dtype=args.dtype, qualifier_vocab_size=args.qualifier_vocab_size, need_draft=need_draft)
     test_tasks = load_tasks(args.split, args.limit)
     dev_tasks = load_tasks("dev", args.tune_limit) if args.tune_limit else []
     if args.split != "test" and dev_tasks:

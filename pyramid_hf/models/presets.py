@@ -53,8 +53,9 @@ class Preset:
     description: str
     target: ModelSpec
     qualifier: ModelSpec
-    draft: ModelSpec | str  # a model or "prompt_lookup"
+    draft: ModelSpec | str  # a model, "prompt_lookup" or "ngram"
     knobs: dict = field(default_factory=dict)  # PyramidConfig kwargs tuned for the trio (on dev prompts only)
+    qualifier_vocab_size: int | None = None  # give the qualifier a reduced-vocabulary head (lossless) of this size
 
 
 def _hub(hub_id: str) -> ModelSpec:

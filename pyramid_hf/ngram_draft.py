@@ -25,6 +25,7 @@ from transformers.generation import CandidateGenerator
 
 logger = logging.getLogger("pyramid_hf")
 
+NGRAM = "ngram"  # the draft source name (presets, --draft): lookup plus the standard-library table
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant (golden ratio): a multiplicative hash step
 _FORMAT = 1
 

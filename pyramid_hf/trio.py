@@ -6,11 +6,11 @@ import logging
 from dataclasses import dataclass, field
 
 from .assistant import PROMPT_LOOKUP
+from .ngram_draft import NGRAM
 
 logger = logging.getLogger("pyramid_hf")
 
 NO_DRAFT = "none"
-NGRAM = "ngram"  # prompt lookup plus a standard-library n-gram table (pyramid_hf/ngram_draft.py)
 FREE_DRAFTS = (PROMPT_LOOKUP, NGRAM)
 
 

@@ -166,7 +166,8 @@ def test_presets_name_hub_ids_and_the_default_is_offline():
     assert default.target.hub_id == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
     assert default.target.offline == "qwen2.5-coder-1.5b-instruct"
     assert default.qualifier.offline == "qwen2.5-coder-0.5b-instruct"
-    assert default.draft == "prompt_lookup"
+    assert default.draft == "ngram" and default.knobs == {"draft_tokens": 3, "qualifier_tokens": 4}
+    assert default.qualifier_vocab_size == 32768
     for name in ("llama-3", "smollm2", "qwen2.5"):
         preset = presets.get_preset(name)
         assert all("/" in spec.hub_id for spec in (preset.target, preset.qualifier, preset.draft))

@@ -8,6 +8,7 @@ from pathlib import Path
 from .offline import OFFLINE_SOURCES, cache_root, cached
 
 PROMPT_LOOKUP = "prompt_lookup"
+NGRAM = "ngram"  # == pyramid_hf.ngram_draft.NGRAM (not imported: the source layer stays free of decoding code)
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            _hub("Qwen/Qwen2.5-7B-Instruct"), _hub("Qwen/Qwen2.5-1.5B-Instruct"),
            _hub("Qwen/Qwen2.5-0.5B-Instruct"), {"draft_tokens": 4, "qualifier_tokens": 8}),
     Preset("qwen-coder-cpu", "embedded default, works offline: Qwen2.5-Coder 1.5B target, 0.5B qualifier, "
-           "prompt-lookup draft", _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"), _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
-           PROMPT_LOOKUP, {"draft_tokens": 2, "qualifier_tokens": 4}),  # tuned on HumanEval dev tasks 0-1
+           "n-gram draft (prompt lookup + a standard-library table)", _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
+           _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"), NGRAM,
+           {"draft_tokens": 3, "qualifier_tokens": 4},  # tuned on HumanEval dev tasks 0-1
+           qualifier_vocab_size=32768),  # 100 -> 80 ms per 0.5B forward on this CPU, lossless
     Preset("qwen-coder-cpu-distilled", "qwen-coder-cpu with the distilled derived draft (built by a recipe)",
            _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"), _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
            ModelSpec(None, local_dir=_DISTILLED_DRAFT,
                      build_hint="run the qwen-coder-cpu-distilled recipe (see recipes/README.md)"),
-           {"draft_tokens": 4, "qualifier_tokens": 8}),
+           {"draft_tokens": 4, "qualifier_tokens": 8}, qualifier_vocab_size=32768),
 ]}
 
 
@@ -99,7 +102,10 @@ def list_presets_table() -> str:
             if isinstance(spec, str):
                 rows.append((preset.name, role, spec + " (free n-gram drafting, nothing to fetch)", "-"))
             else:
-                rows.append((preset.name, role, spec.where(), "yes" if spec.is_cached() else "no"))
+                where = spec.where()
+                if role == "qualifier" and preset.qualifier_vocab_size:
+                    where += f" (LM head over {preset.qualifier_vocab_size} tokens)"
+                rows.append((preset.name, role, where, "yes" if spec.is_cached() else "no"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -4,6 +4,7 @@ from .acceptance import DIVERGENCES, RULES
 from .assistant import PyramidAssistant
 from .candidate_generator import PyramidCandidateGenerator
 from .config import PyramidConfig
+from .feature_draft import FeatureDraft
 from .stats import PyramidStats
 
 __version__ = "0.1.0"
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DIVERGENCES",
     "RULES",
+    "FeatureDraft",
     "PyramidAssistant",
     "PyramidCandidateGenerator",
     "PyramidConfig",

@@ -7,6 +7,7 @@ from transformers.generation import CandidateGenerator
 from . import _hf
 from .candidate_generator import PROMPT_LOOKUP, build_pyramid_generator
 from .config import PyramidConfig
+from .feature_draft import FeatureDraft
 from .levels import vocab_size_of
 from .stats import PyramidStats
 
@@ -20,7 +21,8 @@ class PyramidAssistant:
 
     Args:
         qualifier: the middle model (a causal LM sharing the target's tokenizer).
-        draft: the bottom level: a causal LM, ``"prompt_lookup"`` (free n-gram drafting over the prompt and
+        draft: the bottom level: a causal LM, a `pyramid_hf.FeatureDraft` (one decoder layer over the
+            qualifier's hidden states, EAGLE-style), ``"prompt_lookup"`` (free n-gram drafting over the prompt and
             the text so far), any Transformers `CandidateGenerator` instance (e.g. a
             `pyramid_hf.ngram_draft.CorpusNgramDraft`: lookup plus a corpus n-gram table), or None (the qualifier
             drafts alone: plain two-model speculative decoding).
@@ -46,7 +48,9 @@ class PyramidAssistant:
             raise TypeError(f"qualifier must be a causal LM model, got {type(qualifier).__name__}")
         if isinstance(draft, str) and draft != PROMPT_LOOKUP:
             raise ValueError(f"draft must be a model, {PROMPT_LOOKUP!r}, a CandidateGenerator or None; got {draft!r}")
-        if draft is not None and not isinstance(draft, (str, CandidateGenerator)):
+        if isinstance(draft, FeatureDraft):
+            draft.check_qualifier(qualifier)
+        elif draft is not None and not isinstance(draft, (str, CandidateGenerator)):
             if not hasattr(draft, "forward") or not hasattr(draft, "config"):
                 raise TypeError(f"draft must be a model, {PROMPT_LOOKUP!r}, a CandidateGenerator or None; "
                                 f"got {type(draft).__name__}")
@@ -75,6 +79,8 @@ class PyramidAssistant:
             return "none"
         if isinstance(self.draft, str):
             return self.draft
+        if isinstance(self.draft, FeatureDraft):
+            return "feature"
         return "candidate_generator" if isinstance(self.draft, CandidateGenerator) else "model"
 
     def reset_stats(self) -> None:

@@ -14,6 +14,7 @@ from transformers.generation import CandidateGenerator, PromptLookupCandidateGen
 
 from .acceptance import get_rule
 from .config import PyramidConfig
+from .feature_draft import FeatureDraft, FeatureDraftLevel
 from .levels import ModelLevel, vocab_size_of
 from .stats import PyramidStats
 
@@ -46,7 +47,8 @@ def heuristic_update(current: int, proposed: int, accepted: int, initial: int) -
 
 
 class PyramidCandidateGenerator(CandidateGenerator):
-    """Draft -> qualifier. ``draft`` is a `ModelLevel`, any `CandidateGenerator`, or None (qualifier alone)."""
+    """Draft -> qualifier. ``draft`` is a `ModelLevel`, a `FeatureDraftLevel`, any `CandidateGenerator`, or None
+    (qualifier alone)."""
 
     def __init__(
         self,
@@ -91,11 +93,13 @@ class PyramidCandidateGenerator(CandidateGenerator):
         empty = seq.new_empty(0)
         if k == 0 or self.draft is None:
             return empty, None
-        if isinstance(self.draft, ModelLevel):
+        if isinstance(self.draft, (ModelLevel, FeatureDraftLevel)):
             ids, probs = [], []
             cur = seq
             for _ in range(k):
                 logits = self.draft.next_token_logits(cur, 1, self.attention_mask_for(cur.shape[1]))
+                if logits is None:  # a feature draft before the qualifier's first pass
+                    break
                 p = self._probs(cur, logits)[0]
                 token = pick_token(p, self.do_sample)
                 ids.append(token)
@@ -103,7 +107,7 @@ class PyramidCandidateGenerator(CandidateGenerator):
                 cur = torch.cat([cur, token.view(1, 1)], dim=1)
                 if int(token) in self.eos_token_ids:
                     break
-            return torch.stack(ids), torch.stack(probs)
+            return (torch.stack(ids), torch.stack(probs)) if ids else (empty, None)
         out_ids, out_logits = self.draft.get_candidates(seq)
         ids = out_ids[0, seq.shape[1] : seq.shape[1] + k].to(seq.device)
         if out_logits is None or ids.numel() == 0:
@@ -170,9 +174,9 @@ def build_pyramid_generator(qualifier_model, draft, config: PyramidConfig, targe
                             stats: PyramidStats, attention_mask=None, lookup_ngram_size: int = 2):
     """A fresh `PyramidCandidateGenerator` (fresh caches) for one generate() call.
 
-    ``draft`` is a causal LM, ``"prompt_lookup"``, a `CandidateGenerator` or None.
+    ``draft`` is a causal LM, a `FeatureDraft`, ``"prompt_lookup"``, a `CandidateGenerator` or None.
     """
-    qualifier = ModelLevel(qualifier_model, "qualifier", stats)
+    qualifier = ModelLevel(qualifier_model, "qualifier", stats, keep_hidden=isinstance(draft, FeatureDraft))
     if draft == PROMPT_LOOKUP:
         eos = generation_config.eos_token_id
         eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos))
@@ -186,6 +190,8 @@ def build_pyramid_generator(qualifier_model, draft, config: PyramidConfig, targe
         )
     elif draft is None or isinstance(draft, CandidateGenerator):
         draft_level = draft
+    elif isinstance(draft, FeatureDraft):
+        draft_level = FeatureDraftLevel(draft, qualifier, stats)
     else:
         draft_level = ModelLevel(draft, "draft", stats)
     return PyramidCandidateGenerator(

@@ -192,9 +192,16 @@ def _latency_ms(model, ids: torch.Tensor, n: int, repeats: int) -> float:
 
 
 def measure(student, teacher, prompts: list[torch.Tensor], args: EvalAcceptanceArgs) -> dict:
-    """Everything the report holds, for prompts given as (1, L) id tensors."""
+    """Everything the report holds, for prompts given as (1, L) id tensors.
+
+    A `FeatureDraft` student is walked block by block (`pyramid_hf.feature_eval`): its distribution depends on
+    where a block starts."""
     from tqdm.auto import tqdm
 
+    from .feature_draft import FeatureDraft
+    from .feature_eval import summarize_walks, walk
+
+    feature = isinstance(student, FeatureDraft)
     per_prompt = []
     for ids in tqdm(prompts, desc="eval-acceptance", disable=not args.progress):
         device = next(teacher.parameters()).device
@@ -202,17 +209,27 @@ def measure(student, teacher, prompts: list[torch.Tensor], args: EvalAcceptanceA
                                 attention_mask=torch.ones_like(ids, device=device)).cpu()
         if full.shape[1] == ids.shape[1]:
             continue
+        if feature:
+            per_prompt.append(walk(student, teacher, full, ids.shape[1], args.draft_tokens, args.divergence))
+            continue
         teacher_probs = _probs_along(teacher, full, ids.shape[1])
         student_probs = _probs_along(student, full, ids.shape[1])
         per_prompt.append(pair_measurements(student_probs, teacher_probs, args.divergence))
-    result = summarize_pair(per_prompt, args.draft_tokens, args.tau_list)
+    if feature:
+        result = summarize_walks(per_prompt, args.draft_tokens, args.tau_list)
+    else:
+        result = summarize_pair(per_prompt, args.draft_tokens, args.tau_list)
     latency = {}
     if args.latency_repeats and prompts:
         ids = prompts[0] if prompts[0].shape[1] > args.draft_tokens + 2 else torch.arange(1, 64)[None]
         k1 = args.draft_tokens + 1
-        latency = {"student_1": _latency_ms(student, ids, 1, args.latency_repeats),
+        student_1 = result.get("student_ms_per_token") if feature else _latency_ms(student, ids, 1,
+                                                                                   args.latency_repeats)
+        latency = {"student_1": student_1,
                    "teacher_1": _latency_ms(teacher, ids, 1, args.latency_repeats),
                    f"teacher_{k1}": _latency_ms(teacher, ids, k1, args.latency_repeats)}
+        if latency["student_1"] is None:
+            latency = {}
     result["latency_ms"] = latency
     result["break_even_accepted_tokens"] = break_even(latency, args.draft_tokens)
     if latency and result["mean_accepted_tokens"] is not None:
@@ -296,6 +313,8 @@ def run_eval_acceptance(args: EvalAcceptanceArgs, command: str | None = None) ->
     teacher = load_model(teacher_source, dtype=args.dtype, reduced_vocab=False)
     logger.info("student: %s; teacher: %s", student.origin, teacher.origin)
     _check_same_tokenizer(teacher.tokenizer, {"student": student.tokenizer})
+    if hasattr(student.model, "check_qualifier"):  # a feature draft reads the teacher's hidden states
+        student.model.check_qualifier(teacher.model)
     tasks = load_tasks(args.split, args.limit)
     prompts = [teacher.tokenizer(t.prompt, return_tensors="pt").input_ids for t in tasks]
     result = measure(student.model.eval(), teacher.model.eval(), prompts, args)

@@ -31,7 +31,7 @@ def vocab_size_of(model) -> int:
 class ModelLevel:
     """A causal LM used as one level (draft, qualifier or target), batch size 1."""
 
-    def __init__(self, model, name: str, stats: PyramidStats, cache=None):
+    def __init__(self, model, name: str, stats: PyramidStats, cache=None, keep_hidden: bool = False):
         self.model = model
         self.name = name
         self.stats = stats
@@ -41,6 +41,9 @@ class ModelLevel:
         params = inspect.signature(model.forward).parameters
         self._takes_logits_to_keep = "logits_to_keep" in params
         self._sync = self.device.type == "cuda"
+        # the last hidden state (what the LM head reads) of every cached position, for a feature draft below
+        self.keep_hidden = keep_hidden
+        self.hidden: torch.Tensor | None = None  # (1, len(cached_ids), H) when keep_hidden
 
     def _common_prefix(self, input_ids: torch.Tensor) -> int:
         n = min(self.cached_ids.shape[1], input_ids.shape[1])
@@ -54,6 +57,16 @@ class ModelLevel:
         if drop > 0:
             self.cache.crop(-drop)
             self.cached_ids = self.cached_ids[:, :keep]
+            if self.hidden is not None:
+                self.hidden = self.hidden[:, :keep]
+
+    def hidden_for(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Last hidden states (1, F, H) of the longest cached prefix of ``input_ids`` (needs keep_hidden)."""
+        if not self.keep_hidden:
+            raise RuntimeError(f"the {self.name} level does not keep hidden states")
+        if self.hidden is None:
+            return torch.empty(1, 0, 0)
+        return self.hidden[:, : self._common_prefix(input_ids)]
 
     @torch.no_grad()
     def next_token_logits(
@@ -73,8 +86,14 @@ class ModelLevel:
             kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, keep:]
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = num_positions
+        if self.keep_hidden:
+            kwargs["output_hidden_states"] = True
         start = time.perf_counter()
-        logits = self.model(input_ids=new_ids, **kwargs).logits[0, -num_positions:]
+        out = self.model(input_ids=new_ids, **kwargs)
+        if self.keep_hidden:
+            last = out.hidden_states[-1]  # (1, new, H), after the final norm
+            self.hidden = last if self.hidden is None else torch.cat([self.hidden[:, :keep], last], dim=1)
+        logits = out.logits[0, -num_positions:]
         logits = logits.to(device=input_ids.device, dtype=torch.float32)
         if self._sync:
             torch.cuda.synchronize(self.device)

@@ -26,12 +26,15 @@ class Trio:
 
     @property
     def has_model_draft(self) -> bool:
-        return self.draft is not None and hasattr(self.draft, "forward")
+        """A draft model that can also draft alone (for two-model SD); a feature draft needs the qualifier."""
+        from .feature_draft import FeatureDraft
+
+        return self.draft is not None and hasattr(self.draft, "forward") and not isinstance(self.draft, FeatureDraft)
 
     def roles(self) -> dict:
         """role -> model, for the models that run forwards."""
         out = {"target": self.target, "qualifier": self.qualifier}
-        if self.has_model_draft:
+        if hasattr(self.draft, "forward"):
             out["draft"] = self.draft
         return out
 

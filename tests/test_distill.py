@@ -24,7 +24,10 @@ from pyramid_hf.distill import (
 from pyramid_hf.testing import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate_configs" not in p.parts)
+ALL_RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate_configs" not in p.parts)
+# a recipe's first line is its launch command; recipes for training/train_feature_draft.py are checked in
+# tests/test_feature_train.py
+RECIPES = [p for p in ALL_RECIPES if "training/distill.py" in p.read_text().splitlines()[0]]
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate_configs").glob("*.yaml"))
 
 
@@ -45,6 +48,15 @@ def test_recipe_parses_with_no_unknown_keys(recipe):
     for key, value in raw.items():  # anything that names a file of this repository must exist
         if isinstance(value, str) and value.startswith(("recipes/", "training/", "model_cards/")):
             assert (ROOT / value).exists(), f"{recipe.name}: {key} names a missing file {value}"
+
+
+def test_every_recipe_names_its_script_on_its_first_line():
+    for recipe in ALL_RECIPES:
+        first = recipe.read_text().splitlines()[0]
+        assert first.startswith("# accelerate launch") and f"--config {recipe.relative_to(ROOT)}" in first, recipe
+        script = next(word for word in first.split() if word.startswith("training/"))
+        assert (ROOT / script).is_file(), f"{recipe}: {script} does not exist"
+    assert len(RECIPES) >= 9
 
 
 def test_every_trio_has_both_stages():

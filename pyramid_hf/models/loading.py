@@ -89,9 +89,15 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
                reduced_vocab: bool = True) -> LoadedModel:
     """Load a causal LM and its tokenizer from ``source`` (see module docstring).
 
+    A folder written by `FeatureDraft.save` loads as that `FeatureDraft` (it runs only under its qualifier).
+
     A local folder with a ``reduced_vocab.json`` sidecar gets its reduced-vocabulary LM head
     (`pyramid_hf.vocab_head`) unless ``reduced_vocab=False``.
     """
+    from transformers import AutoTokenizer
+
+    from ..feature_draft import FeatureDraft, is_feature_folder
+
     dtype = resolve_dtype(dtype)
     path = Path(source).expanduser()
     if source.endswith(".gguf"):
@@ -99,6 +105,10 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
             raise FileNotFoundError(f"GGUF file not found: {path}")
         model, tokenizer = load_gguf(path, None if dtype == "auto" else dtype)
         return LoadedModel(model, tokenizer, f"GGUF file {path}")
+    if path.is_dir() and is_feature_folder(path):
+        draft = FeatureDraft.load(path, dtype=None if dtype == "auto" else dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+        return LoadedModel(draft, tokenizer, f"feature draft {path}")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is a folder without config.json, not a model folder")

@@ -1,0 +1,202 @@
+"""Training a `FeatureDraft` against its qualifier, with Transformers' `Trainer` (so `accelerate launch` scales it).
+
+The qualifier reads a block of text once (no gradient) and gives its last hidden state ``f_t`` at every position
+and, through its LM head, its next-token distribution. The draft learns, at every position at once, to predict
+``f_{t+1}`` from ``(f_t, x_{t+1})``: a KL term pulls the draft's distribution (the qualifier's head on the predicted
+feature) toward the qualifier's, and a smooth-L1 term pulls the predicted feature toward the real one. With
+``unroll_steps`` = k > 1 the draft also learns from its own predictions, as it drafts: pass s feeds the
+features predicted in pass s - 1 (the real one at the first position) and is scored against the same targets.
+The loss runs over the qualifier's reduced vocabulary when ``vocab_size`` is set (the head the pyramid uses).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .feature_draft import FeatureDraft
+
+logger = logging.getLogger("pyramid_hf")
+
+
+@dataclass
+class FeatureDraftArguments:
+    """What to train (``TrainingArguments`` says how: steps, lr, batch size, output_dir, bf16, ...)."""
+
+    qualifier: str = field(default="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+                           metadata={"help": "the model whose hidden states the draft reads (Hub id, folder, GGUF)"})
+    qualifier_dtype: str = field(default="bfloat16", metadata={"help": "the frozen qualifier's dtype"})
+    init_from: str | None = field(default=None, metadata={"help": "continue from a saved feature-draft folder"})
+    init_layer: int = field(default=-1, metadata={"help": "qualifier decoder layer copied into a new draft"})
+    texts: str = field(default="stdlib-code", metadata={"help": "training text: 'stdlib-code' (offline: the Python "
+                                                                "standard library's modules), a local folder of "
+                                                                "*.py / *.txt files, or a Hub dataset"})
+    text_column: str = field(default="text", metadata={"help": "column of a Hub dataset holding the text"})
+    text_split: str = field(default="train", metadata={"help": "split of a Hub dataset"})
+    max_texts: int | None = field(default=None, metadata={"help": "use at most this many texts"})
+    block_size: int = field(default=256, metadata={"help": "tokens per training sequence"})
+    vocab_size: int | None = field(default=32768, metadata={"help": "score over the qualifier's N most frequent "
+                                                                    "tokens (its reduced head); None: full vocabulary"})
+    feature_loss_weight: float = field(default=0.1, metadata={"help": "weight of the smooth-L1 feature term"})
+    unroll_steps: int = field(default=2, metadata={"help": "passes per step; pass s > 1 reads pass s-1's features"})
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2, got {self.block_size}")
+        if self.unroll_steps < 1:
+            raise ValueError(f"unroll_steps must be at least 1, got {self.unroll_steps}")
+        if self.feature_loss_weight < 0:
+            raise ValueError(f"feature_loss_weight must be >= 0, got {self.feature_loss_weight}")
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ValueError(f"vocab_size must be at least 2 (or None for the full vocabulary), got {self.vocab_size}")
+
+
+class FeatureDistillation(nn.Module):
+    """The module `Trainer` optimises: the draft (trainable) plus a frozen qualifier that is not part of its state,
+    so checkpoints hold only the draft."""
+
+    def __init__(self, draft: FeatureDraft, qualifier, head_weight: torch.Tensor, head_ids: torch.Tensor | None,
+                 feature_loss_weight: float = 0.1, unroll_steps: int = 2):
+        super().__init__()
+        self.draft = draft
+        object.__setattr__(self, "qualifier", qualifier.eval().requires_grad_(False))  # not a submodule
+        self.register_buffer("head_weight", head_weight.detach().clone(), persistent=False)  # (K, H)
+        self.head_ids = head_ids  # (K,) full-vocabulary ids of head_weight's rows, None = all
+        self.feature_loss_weight = feature_loss_weight
+        self.unroll_steps = unroll_steps
+
+    @torch.no_grad()
+    def _qualifier_states(self, input_ids, attention_mask):
+        device = self.head_weight.device
+        if next(self.qualifier.parameters()).device != device:
+            self.qualifier.to(device)
+        out = self.qualifier(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                             logits_to_keep=1)
+        features = out.hidden_states[-1]  # (B, T, H) after the final norm
+        embeds = self.qualifier.get_input_embeddings()(input_ids)
+        return features, embeds
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_):
+        features, embeds = self._qualifier_states(input_ids, attention_mask)
+        dtype = self.draft.fc.weight.dtype
+        features, embeds = features.to(dtype), embeds.to(dtype)
+        target_features = features[:, 1:]  # f_{j+1}, j = 0 .. T-2
+        teacher_logp = F.log_softmax((target_features @ self.head_weight.to(dtype).T).float(), dim=-1)
+        mask = None if attention_mask is None else attention_mask[:, 1:].to(teacher_logp.dtype)
+        inputs = features[:, :-1]
+        total, parts = 0.0, {}
+        for step in range(self.unroll_steps):
+            predicted = self.draft(inputs, embeds[:, 1:], attention_mask=attention_mask[:, :-1]
+                                   if attention_mask is not None else None)
+            draft_logp = F.log_softmax((predicted @ self.head_weight.to(dtype).T).float(), dim=-1)
+            kl = (teacher_logp.exp() * (teacher_logp - draft_logp)).sum(-1)  # (B, T-1)
+            l1 = F.smooth_l1_loss(predicted.float(), target_features.float(), reduction="none").mean(-1)
+            per_pos = kl + self.feature_loss_weight * l1
+            loss = per_pos.mean() if mask is None else (per_pos * mask).sum() / mask.sum().clamp(min=1)
+            total = total + loss / self.unroll_steps
+            parts[f"kl_{step + 1}"] = float(kl.detach().mean())
+            inputs = torch.cat([features[:, :1], predicted[:, :-1]], dim=1)  # next pass reads its own predictions
+        self.last_parts = parts
+        return {"loss": total}
+
+
+def text_blocks(tokenizer, texts: list[str], block_size: int) -> list[list[int]]:
+    """Tokenize ``texts``, join them with EOS and cut the stream into ``block_size`` blocks (the tail is dropped)."""
+    eos = tokenizer.eos_token_id
+    stream: list[int] = []
+    for encoded in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        stream += encoded + ([eos] if eos is not None else [])
+    return [stream[i : i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
+
+
+def load_texts(args: FeatureDraftArguments) -> list[str]:
+    from .prompts import stdlib_code_files
+
+    if args.texts == "stdlib-code":
+        return stdlib_code_files(limit=args.max_texts)
+    folder = Path(args.texts).expanduser()
+    if folder.is_dir():
+        files = sorted(p for p in folder.rglob("*") if p.suffix in (".py", ".txt") and p.is_file())
+        if not files:
+            raise ValueError(f"{folder} holds no *.py or *.txt files to train on")
+        return [p.read_text(errors="replace") for p in files[: args.max_texts]]
+    from datasets import load_dataset
+
+    data = load_dataset(args.texts, split=args.text_split)
+    if args.text_column not in data.column_names:
+        raise ValueError(f"dataset {args.texts!r} has no column {args.text_column!r}: {data.column_names}")
+    column = data[args.text_column]
+    return list(column if args.max_texts is None else column[: args.max_texts])
+
+
+def build_module(args: FeatureDraftArguments, qualifier, tokenizer) -> FeatureDistillation:
+    """The draft (new or continued) and the scoring head (reduced to ``vocab_size`` tokens when set)."""
+    from .models import cache_root
+    from .vocab_head import ReducedVocabHead, reduce_loaded_vocab
+
+    if args.init_from:
+        draft = FeatureDraft.load(args.init_from, dtype=torch.float32)
+        draft.check_qualifier(qualifier)
+    else:
+        draft = FeatureDraft.from_qualifier(qualifier, init_layer=args.init_layer).float()
+    draft.train()
+    full_vocab = int(qualifier.get_output_embeddings().weight.shape[0])
+    head = qualifier.get_output_embeddings()
+    if args.vocab_size and args.vocab_size < full_vocab and not isinstance(head, ReducedVocabHead):
+        reduce_loaded_vocab(qualifier, tokenizer, args.vocab_size, cache_root())
+    head = qualifier.get_output_embeddings()
+    ids = head.kept_ids if isinstance(head, ReducedVocabHead) else None
+    return FeatureDistillation(draft, qualifier, head.weight, ids, args.feature_loss_weight, args.unroll_steps)
+
+
+def _save_draft(module: FeatureDistillation, folder: Path, args: FeatureDraftArguments, step: int, tokenizer) -> Path:
+    """A loadable feature-draft folder (bf16) of the module's current draft; training state is left as it is."""
+    import copy
+
+    copy.deepcopy(module.draft).to(torch.bfloat16).save(
+        folder, qualifier=args.qualifier, texts=args.texts, steps=step, block_size=args.block_size,
+        unroll_steps=args.unroll_steps, vocab_size=args.vocab_size)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def train(args: FeatureDraftArguments, training_args, *, qualifier=None, tokenizer=None) -> Path:
+    """Train and save ``output_dir/final`` (a feature-draft folder); resumes from the last checkpoint if any."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainerCallback
+
+    from .distill import last_checkpoint
+    from .models import load_model
+
+    if qualifier is None:
+        loaded = load_model(args.qualifier, dtype=args.qualifier_dtype, reduced_vocab=False)
+        qualifier, tokenizer = loaded.model, loaded.tokenizer
+        logger.info("qualifier: %s", loaded.origin)
+    if tokenizer is None:
+        raise ValueError("training a feature draft needs the qualifier's tokenizer")
+    module = build_module(args, qualifier, tokenizer)
+    blocks = text_blocks(tokenizer, load_texts(args), args.block_size)
+    if not blocks:
+        raise ValueError(f"no {args.block_size}-token block in the training text {args.texts!r}")
+    logger.info("feature draft: %d blocks of %d tokens from %s", len(blocks), args.block_size, args.texts)
+    training_args.remove_unused_columns = False
+
+    class SaveDraftFolders(TrainerCallback):  # every checkpoint also as a loadable draft folder, for the curve
+        def on_save(self, _args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                step = int(state.global_step)
+                _save_draft(module, Path(training_args.output_dir) / f"checkpoint-{step}" / "draft", args, step,
+                            tokenizer)
+
+    trainer = Trainer(model=module, args=training_args, train_dataset=Dataset.from_dict({"input_ids": blocks}),
+                      callbacks=[SaveDraftFolders()])
+    trainer.train(resume_from_checkpoint=last_checkpoint(training_args.output_dir))
+    final = _save_draft(module, Path(training_args.output_dir) / "final", args, int(trainer.state.global_step),
+                        tokenizer)
+    logger.info("feature draft saved to %s", final)
+    return final

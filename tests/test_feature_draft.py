@@ -1,0 +1,148 @@
+"""Feature (EAGLE-style) drafts: cache bookkeeping against a from-scratch recurrence, lossless decoding with them
+(greedy token identity, sampling distribution), a perfect draft is fully accepted, files and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sampling import SAMPLING, _pvalues, _samples, _target_joint, sharp_trio  # noqa: F401
+
+from pyramid_hf import FeatureDraft, PyramidAssistant, PyramidConfig
+from pyramid_hf.feature_draft import FeatureDraftLevel
+from pyramid_hf.feature_eval import _PathStates
+from pyramid_hf.models import load_model
+from pyramid_hf.stats import PyramidStats
+from pyramid_hf.testing import VOCAB, tiny_model
+
+
+def token_local(model):
+    """Zero every attention output: each position's last hidden state then depends on its own token only."""
+    for layer in model.get_decoder().layers:
+        layer.self_attn.o_proj.weight.data.zero_()
+    return model
+
+
+def perfect_draft(qualifier):
+    """For a one-layer token-local qualifier, f_{j+1} = norm(layer(e(x_{j+1}))): fc = [0 | I] and a copy of
+    that layer predict it exactly."""
+    draft = FeatureDraft.from_qualifier(qualifier, init_layer=0)
+    draft.fc.weight.data[:, : draft.hidden_size].zero_()
+    return draft
+
+
+@torch.no_grad()
+def reference_logits(draft, qualifier, ids, real):
+    """Logits after ids (1, L) when the first ``real`` positions have the qualifier's states, recomputed
+    without any cache: later elements read the draft's own predictions, one element at a time."""
+    states = qualifier(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    embeds = qualifier.get_input_embeddings()(ids[:, 1:])
+    features = states[:, : min(real, ids.shape[1] - 1)]
+    while True:
+        predicted = draft(features, embeds[:, : features.shape[1]])
+        if features.shape[1] == ids.shape[1] - 1:
+            return qualifier.get_output_embeddings()(predicted[:, -1])
+        features = torch.cat([features, predicted[:, -1:]], dim=1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cached_level_equals_the_recurrence_from_scratch(arch):
+    qualifier = tiny_model(arch, 32, 2, seed=3)
+    draft = FeatureDraft.from_qualifier(qualifier, seed=1)
+    with torch.no_grad():
+        draft.fc.weight.normal_(0, 0.2)  # the feature half matters
+    gen = torch.Generator().manual_seed(0)
+
+    def states_of(path):
+        return _PathStates(qualifier, qualifier(input_ids=path, output_hidden_states=True).hidden_states[-1])
+
+    path = torch.randint(3, VOCAB, (1, 60), generator=gen)
+    states = states_of(path)
+    level = FeatureDraftLevel(draft, states, PyramidStats())
+    length, available, own_steps = 6, 0, 0
+    for step in range(40):  # drafting rounds, verified blocks, and rejections that rewrite the tail
+        if step % 4 == 3:  # a rejection at `cut`: a new token there and a new continuation after it
+            cut = max(2, length - int(torch.randint(1, 4, (1,), generator=gen)))
+            tail = torch.randint(3, VOCAB, (1, path.shape[1] - cut), generator=gen)
+            tail[0, 0] = 3 + (int(path[0, cut]) - 2) % (VOCAB - 3)  # surely another token
+            path = torch.cat([path[:, :cut], tail], dim=1)
+            level.qualifier = states = states_of(path)  # the qualifier's states follow the new path
+            length, available = cut + 1, min(available, cut)
+        else:
+            length = min(length + 1 + step % 4, path.shape[1] - 1)
+        # the qualifier has read a prefix (never less of an unchanged path than before), up to all but one token
+        available = min(length - 1, max(available, length - 1 - int(torch.randint(0, 3, (1,), generator=gen))))
+        states.available = available
+        got = level.next_token_logits(path[:, :length])
+        want = reference_logits(draft, qualifier, path[:, :length], available)
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+        own_steps += level.cached_ids.shape[1] > level.true_elements  # elements built on its own predictions
+    assert own_steps >= 10
+
+
+def test_no_proposal_before_the_qualifier_has_read_anything():
+    qualifier = tiny_model("llama", 32, 2)
+    states = _PathStates(qualifier, torch.empty(1, 0, 32))
+    level = FeatureDraftLevel(FeatureDraft.from_qualifier(qualifier), states, PyramidStats())
+    assert level.next_token_logits(torch.tensor([[5, 6, 7]])) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("seed,prompt_len,new,l_d,l_q,noise", [
+    (0, 4, 40, 3, 6, 0.0), (1, 9, 33, 2, 4, 0.3), (2, 1, 25, 4, 8, 1.0), (3, 6, 60, 1, 3, 0.3)])
+def test_greedy_output_equals_target_alone(arch, seed, prompt_len, new, l_d, l_q, noise):
+    target = tiny_model(arch, 48, 2, seed=seed + 10)
+    qualifier = token_local(tiny_model(arch, 32, 1, seed=seed, init=0.3))
+    draft = perfect_draft(qualifier)
+    with torch.no_grad():  # noise > 0: the draft is wrong some of the time
+        draft.fc.weight[:, : draft.hidden_size].normal_(0, noise / 32**0.5 if noise else 0.0)
+    torch.manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (1, prompt_len))
+    want = target.generate(input_ids=ids, max_new_tokens=new, do_sample=False)
+    assistant = PyramidAssistant(qualifier, draft, PyramidConfig(draft_tokens=l_d, qualifier_tokens=l_q))
+    got = target.generate(input_ids=ids, max_new_tokens=new, do_sample=False, assistant_model=assistant)
+    assert torch.equal(got, want)
+    stats = assistant.stats
+    assert stats.draft_proposed > 0 and stats.forward_calls["draft"] > 0
+    if noise == 0.0:  # a perfect draft is always kept by the qualifier
+        assert stats.draft_accepted == stats.draft_proposed
+
+
+def test_sampling_follows_the_target_distribution(sharp_trio):  # noqa: F811
+    target, _, _ = sharp_trio
+    qualifier = token_local(tiny_model("llama", 16, 1, 1, vocab=8, init=0.5))
+    draft = perfect_draft(qualifier)
+    with torch.no_grad():
+        draft.fc.weight[:, :16].normal_(0, 0.1)
+    assistant = PyramidAssistant(qualifier, draft, PyramidConfig(draft_tokens=2, qualifier_tokens=2))
+    pvals = _pvalues(_samples(target, assistant), _target_joint(target))
+    assert min(pvals) > 1e-3, pvals
+    assert assistant.total_stats.draft_accepted > 0 and assistant.total_stats.draft_proposed > \
+        assistant.total_stats.draft_accepted
+
+
+def test_save_load_round_trip_and_load_model(tmp_path):
+    qualifier = tiny_model("qwen2", 32, 2)
+    draft = FeatureDraft.from_qualifier(qualifier)
+    with torch.no_grad():
+        draft.fc.weight.normal_(0, 0.1)
+    folder = draft.save(tmp_path / "d", note="test")
+    assert {"config.json", "feature_draft.json", "feature_draft.safetensors"} <= {p.name for p in folder.iterdir()}
+    loaded = load_model(str(folder), dtype="float32")
+    assert isinstance(loaded.model, FeatureDraft) and loaded.model.meta["note"] == "test"
+    f, e = torch.randn(1, 5, 32), torch.randn(1, 5, 32)
+    torch.testing.assert_close(loaded.model(f, e), draft(f, e))
+    assert FeatureDraft.load(folder).fc.weight.dtype == torch.float32  # the stored dtype by default
+
+
+def test_a_draft_for_another_qualifier_width_is_refused():
+    draft = FeatureDraft.from_qualifier(tiny_model("llama", 32, 2))
+    with pytest.raises(ValueError, match="width 32.*64 wide"):
+        PyramidAssistant(tiny_model("llama", 64, 2), draft)
+
+
+def test_a_folder_of_another_format_is_refused(tmp_path):
+    draft = FeatureDraft.from_qualifier(tiny_model("llama", 32, 2))
+    folder = draft.save(tmp_path / "d")
+    (folder / "feature_draft.json").write_text('{"format": "something else"}')
+    with pytest.raises(ValueError, match="unknown format"):
+        FeatureDraft.load(folder)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import PyramidConfig
+from .feature_draft import is_feature_folder
 from .vocab_head import SIDECAR, load_reduced_vocab
 
 logger = logging.getLogger("pyramid_hf")
@@ -232,6 +233,10 @@ def publish(args: PublishArgs, config: PyramidConfig | None = None, explicit: se
     if kept_ids is not None:
         weights += (f"; LM head over a reduced vocabulary of {kept_ids.numel()} tokens (`{SIDECAR}`, applied by "
                     "`pyramid_hf.models.load_model`; plain `from_pretrained` loads the full head)")
+    if is_feature_folder(out):
+        weights += ("; a feature draft (EAGLE-style: one decoder layer over the qualifier's hidden states, using the "
+                    "qualifier's embeddings and LM head), loaded by `pyramid_hf.FeatureDraft.load` or "
+                    "`pyramid_hf.models.load_model`, not by `from_pretrained`")
     card = render_card(args, knobs, weights, sections)
     card.save(out / "README.md")
     files = sorted(p for p in out.iterdir() if p.is_file())

@@ -182,3 +182,10 @@ def test_distilled_preset_says_how_to_build_its_draft(tmp_path, monkeypatch):
     draft = presets.get_preset("qwen-coder-cpu-distilled").draft
     with pytest.raises(FileNotFoundError, match="not built yet"):
         draft.source  # noqa: B018
+
+
+def test_feature_preset_says_how_to_build_its_draft(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYRAMID_HF_CACHE", str(tmp_path))
+    draft = presets.get_preset("qwen-coder-cpu-feature").draft
+    with pytest.raises(FileNotFoundError, match="feature_draft.yaml"):
+        draft.source  # noqa: B018

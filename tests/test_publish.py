@@ -189,3 +189,18 @@ def test_a_reduced_vocabulary_sidecar_is_published_and_named_in_the_card(model_d
     assert (out / SIDECAR).read_text() == (model_dir / SIDECAR).read_text()
     assert f"reduced vocabulary of {len(range(0, VOCAB, 2))} tokens" in ModelCard.load(out / "README.md").text
     assert isinstance(load_model(str(out)).model.get_output_embeddings(), ReducedVocabHead)
+
+
+def test_a_feature_draft_is_published_reloadable_and_named_in_the_card(tmp_path):
+    from pyramid_hf import FeatureDraft
+    from pyramid_hf.models import load_model
+
+    qualifier = tiny_model("qwen2", hidden=32, layers=2, seed=5)
+    draft = FeatureDraft.from_qualifier(qualifier)
+    src = draft.save(tmp_path / "feature")
+    tiny_tokenizer().save_pretrained(src)
+    out = publish(_args(src, tmp_path / "out"))
+    assert "a feature draft (EAGLE-style" in ModelCard.load(out / "README.md").text
+    reloaded = load_model(str(out), dtype="float32").model
+    f, e = torch.randn(1, 4, 32), torch.randn(1, 4, 32)
+    torch.testing.assert_close(reloaded(f, e), draft(f, e))

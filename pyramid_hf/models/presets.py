@@ -64,6 +64,7 @@ def _hub(hub_id: str) -> ModelSpec:
 
 
 _DISTILLED_DRAFT = "qwen-coder-cpu-distilled/draft"  # under cache_root(), resolved when used
+_FEATURE_DRAFT = "qwen-coder-cpu-feature/draft"
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("llama-3", "the paper's trio (needs the Hub and a GPU)",
@@ -84,6 +85,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"), _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
            ModelSpec(None, local_dir=_DISTILLED_DRAFT,
                      build_hint="run the qwen-coder-cpu-distilled recipe (see recipes/README.md)"),
+           {"draft_tokens": 4, "qualifier_tokens": 8}, qualifier_vocab_size=32768),
+    Preset("qwen-coder-cpu-feature", "qwen-coder-cpu with a feature draft (one layer over the 0.5B's hidden states, "
+           "EAGLE-style; built by a recipe)", _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
+           _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
+           ModelSpec(None, local_dir=_FEATURE_DRAFT,
+                     build_hint="run recipes/qwen-coder-cpu-distilled/feature_draft.yaml and publish its final folder "
+                                "there (see recipes/README.md)"),
            {"draft_tokens": 4, "qualifier_tokens": 8}, qualifier_vocab_size=32768),
 ]}
 

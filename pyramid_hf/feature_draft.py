@@ -104,7 +104,8 @@ class FeatureDraft(nn.Module):
                               position_ids=position_ids, attention_mask=attention_mask).last_hidden_state
         if lm_head is None:
             return hidden
-        return hidden, lm_head(hidden[:, -1].to(lm_head.weight.dtype))
+        weight = lm_head.weight
+        return hidden, lm_head(hidden[:, -1].to(weight.device, weight.dtype))
 
     # ------------------------------------------------------------------ files
     def save(self, folder, **meta) -> Path:
@@ -220,7 +221,7 @@ class FeatureDraftLevel:
         for j in range(self.cached_ids.shape[1], length - 1):  # past the qualifier's states: own predictions
             logits = self._feed(self.outputs[:, -1:], input_ids[:, j + 1 : j + 2], attention_mask)
         if logits is None:  # everything was cached: only the head is left to run
-            logits = self.head(self.outputs[:, -1].to(self.head.weight.dtype))
+            logits = self.head(self.outputs[:, -1].to(self.head.weight.device, self.head.weight.dtype))
         logits = logits.to(device=input_ids.device, dtype=torch.float32)
         self.stats.record_forward(self.name, time.perf_counter() - start)
         return logits

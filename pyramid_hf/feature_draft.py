@@ -79,13 +79,11 @@ class FeatureDraft(nn.Module):
     def from_qualifier(cls, qualifier_model, init_layer: int = -1, seed: int = 0) -> FeatureDraft:
         """A new draft for ``qualifier_model``: its decoder layer ``init_layer`` and final norm are copied as a
         starting point; ``fc`` reads the token embedding as is and the feature through small random weights."""
-        from .derive import decoder_layers_name
-
         torch.manual_seed(seed)
         draft = cls(decoder_config_for(qualifier_model.config), meta={"init_layer": init_layer})
-        layers = qualifier_model.get_submodule(decoder_layers_name(qualifier_model))
-        draft.decoder.layers[0].load_state_dict(layers[init_layer].state_dict())
-        draft.decoder.norm.load_state_dict(qualifier_model.get_decoder().norm.state_dict())
+        decoder = qualifier_model.get_decoder()  # Llama-like: .layers and a final .norm
+        draft.decoder.layers[0].load_state_dict(decoder.layers[init_layer].state_dict())
+        draft.decoder.norm.load_state_dict(decoder.norm.state_dict())
         hidden = draft.hidden_size
         with torch.no_grad():
             draft.fc.weight.zero_()

@@ -1,0 +1,1 @@
+../pyramid_hf/feature_draft.py

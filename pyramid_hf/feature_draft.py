@@ -79,7 +79,6 @@ class FeatureDraft(nn.Module):
     def from_qualifier(cls, qualifier_model, init_layer: int = -1, seed: int = 0) -> FeatureDraft:
         """A new draft for ``qualifier_model``: its decoder layer ``init_layer`` and final norm are copied as a
         starting point; ``fc`` reads the token embedding as is and the feature through small random weights."""
-        torch.manual_seed(seed)
         draft = cls(decoder_config_for(qualifier_model.config), meta={"init_layer": init_layer})
         decoder = qualifier_model.get_decoder()  # Llama-like: .layers and a final .norm
         draft.decoder.layers[0].load_state_dict(decoder.layers[init_layer].state_dict())
@@ -87,7 +86,7 @@ class FeatureDraft(nn.Module):
         hidden = draft.hidden_size
         with torch.no_grad():
             draft.fc.weight.zero_()
-            draft.fc.weight[:, :hidden].normal_(0.0, 0.5 / hidden**0.5)
+            draft.fc.weight[:, :hidden].normal_(0.0, 0.5 / hidden**0.5, generator=torch.Generator().manual_seed(seed))
             draft.fc.weight[:, hidden:].copy_(torch.eye(hidden))
         dtype = next(qualifier_model.parameters()).dtype
         return draft.to(dtype=dtype, device=next(qualifier_model.parameters()).device).eval()

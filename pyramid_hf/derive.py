@@ -16,12 +16,14 @@ import re
 import torch
 from torch import nn
 
+from .levels import text_config
+
 PER_LAYER_CONFIG_LISTS = ("layer_types",)
 
 
 def decoder_layers_name(model) -> str:
     """Qualified name of the ModuleList holding the decoder layers (e.g. ``model.layers``)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     count = int(config.num_hidden_layers)
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.ModuleList) and len(module) == count and name.endswith("layers")]
@@ -50,7 +52,7 @@ def normalize_keep(keep, num_layers: int) -> list[int]:
 
 def cut_config(config, keep: list[int]):
     new = copy.deepcopy(config)
-    text = new.get_text_config() if hasattr(new, "get_text_config") else new
+    text = text_config(new)
     for name in PER_LAYER_CONFIG_LISTS:
         values = getattr(text, name, None)
         if isinstance(values, (list, tuple)) and len(values) == text.num_hidden_layers:
@@ -76,8 +78,7 @@ def cut_layers(model, keep) -> nn.Module:
     config = cut_config(model.config, keep)
     with torch.device("meta"):
         derived = type(model)(config)
-    tied = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
-                   "tie_word_embeddings", False)
+    tied = getattr(text_config(model.config), "tie_word_embeddings", False)
     missing, unexpected = derived.load_state_dict({k: v.clone() for k, v in state.items()}, strict=False,
                                                   assign=True)
     missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, DynamicCache
 
+from .levels import text_config
 from .stats import PyramidStats
 
 CONFIG_FILE = "feature_draft.json"
@@ -37,13 +38,9 @@ _DROP_KEYS = ("quantization_config", "architectures", "auto_map", "_name_or_path
               "torch_dtype", "dtype")
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def decoder_config_for(qualifier_config):
     """A one-layer, embedding-free (vocab 8) decoder config of the qualifier's architecture and width."""
-    fields = _text_config(qualifier_config).to_dict()
+    fields = text_config(qualifier_config).to_dict()
     for key in _DROP_KEYS:
         fields.pop(key, None)
     if isinstance(fields.get("layer_types"), list):
@@ -138,7 +135,7 @@ class FeatureDraft(nn.Module):
         return draft.to(dtype=dtype, device=device or "cpu").eval()
 
     def check_qualifier(self, qualifier_model) -> None:
-        width = int(_text_config(qualifier_model.config).hidden_size)
+        width = int(text_config(qualifier_model.config).hidden_size)
         if width != self.hidden_size:
             raise ValueError(f"the feature draft reads hidden states of width {self.hidden_size}, but the qualifier's "
                              f"are {width} wide: it was trained for another qualifier")

@@ -23,9 +23,13 @@ def model_input_device(model) -> torch.device:
     return embeddings.weight.device if embeddings is not None else next(model.parameters()).device
 
 
+def text_config(config):
+    """The language-model part of a config (itself for plain causal LMs)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def vocab_size_of(model) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(config.vocab_size)
+    return int(text_config(model.config).vocab_size)
 
 
 class ModelLevel:

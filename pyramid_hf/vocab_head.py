@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .levels import text_config
+
 logger = logging.getLogger("pyramid_hf")
 
 SIDECAR = "reduced_vocab.json"
@@ -103,14 +105,10 @@ def apply_reduced_vocab(model, kept_ids) -> nn.Module:
     if not isinstance(head, nn.Linear):
         raise ValueError(f"cannot reduce an LM head of type {type(head).__name__}; expected nn.Linear")
     new_head = ReducedVocabHead(head, kept_ids)
-    for config in {id(c): c for c in (model.config, _text_config(model.config))}.values():
+    for config in {id(c): c for c in (model.config, text_config(model.config))}.values():
         config.tie_word_embeddings = False  # the kept rows are a copy: never re-tie them to the embeddings
     model.set_output_embeddings(new_head)
     return model
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def save_reduced_vocab(folder, kept_ids, *, source: str, coverage_share: float | None = None) -> Path:
@@ -173,7 +171,7 @@ def reduce_loaded_vocab(model, tokenizer, size: int, cache_dir, texts: str = "st
     """
     from .prompts import corpus_cache_key
 
-    vocab_size = int(_text_config(model.config).vocab_size)
+    vocab_size = int(text_config(model.config).vocab_size)
     key = f"{texts.replace('/', '--')}-{corpus_cache_key(tokenizer)}-v{vocab_size}-k{size}"
     folder = Path(cache_dir) / "vocab" / key
     try:
@@ -204,7 +202,7 @@ def reduce_vocab_folder(model_dir, out, *, size: int, texts: str = "stdlib-code"
     if not (src / "config.json").is_file():
         raise ValueError(f"{src} is not a model folder (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(src)
-    config = _text_config(AutoConfig.from_pretrained(src))
+    config = text_config(AutoConfig.from_pretrained(src))
     vocab_size = int(config.vocab_size)
     corpus = reduce_vocab_texts(texts, limit)
     if not corpus:

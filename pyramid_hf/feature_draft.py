@@ -33,7 +33,7 @@ from .stats import PyramidStats
 
 CONFIG_FILE = "feature_draft.json"
 WEIGHTS_FILE = "feature_draft.safetensors"
-FORMAT = "pyramid-hf feature draft v1"
+FORMAT = "pyramid-hf feature draft v2"  # v2: embed_scale
 _DROP_KEYS = ("quantization_config", "architectures", "auto_map", "_name_or_path", "transformers_version",
               "torch_dtype", "dtype")
 
@@ -62,6 +62,9 @@ class FeatureDraft(nn.Module):
         self.decoder = AutoModel.from_config(decoder_config)
         hidden = int(decoder_config.hidden_size)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        # token embeddings are ~300x smaller than post-norm hidden states (Qwen2.5-0.5B: RMS 0.017 vs 5.7); unscaled,
+        # the token that was actually chosen barely reaches the layer and the draft learns ~3x slower
+        self.embed_scale = nn.Parameter(torch.ones(1))
         self.meta = dict(meta or {})
 
     @property
@@ -75,13 +78,17 @@ class FeatureDraft(nn.Module):
     @classmethod
     def from_qualifier(cls, qualifier_model, init_layer: int = -1, seed: int = 0) -> FeatureDraft:
         """A new draft for ``qualifier_model``: its decoder layer ``init_layer`` and final norm are copied as a
-        starting point; ``fc`` reads the token embedding as is and the feature through small random weights."""
+        starting point; ``fc`` reads the token embedding (scaled to the hidden states' size) as is and the feature
+        through small random weights."""
         draft = cls(decoder_config_for(qualifier_model.config), meta={"init_layer": init_layer})
         decoder = qualifier_model.get_decoder()  # Llama-like: .layers and a final .norm
         draft.decoder.layers[0].load_state_dict(decoder.layers[init_layer].state_dict())
         draft.decoder.norm.load_state_dict(decoder.norm.state_dict())
         hidden = draft.hidden_size
         with torch.no_grad():
+            embeddings = qualifier_model.get_input_embeddings().weight.float()
+            feature_rms = decoder.norm.weight.float().pow(2).mean().sqrt()  # post-norm states: RMS ~ |norm weight|
+            draft.embed_scale.fill_(float(feature_rms / embeddings.pow(2).mean().sqrt().clamp(min=1e-12)))
             draft.fc.weight.zero_()
             draft.fc.weight[:, :hidden].normal_(0.0, 0.5 / hidden**0.5, generator=torch.Generator().manual_seed(seed))
             draft.fc.weight[:, hidden:].copy_(torch.eye(hidden))
@@ -93,7 +100,7 @@ class FeatureDraft(nn.Module):
         """features, token_embeds (B, T, H): element j = (f_j, e(x_{j+1})); returns the predicted f_{j+1} (B, T, H)
         and, given the qualifier's ``lm_head``, also the logits (B, V) it gives the last prediction (one module call,
         so forward hooks time the draft's whole cost)."""
-        inputs = self.fc(torch.cat([features, token_embeds], dim=-1))
+        inputs = self.fc(torch.cat([features, token_embeds * self.embed_scale], dim=-1))
         hidden = self.decoder(inputs_embeds=inputs, cache=cache, use_cache=cache is not None,
                               position_ids=position_ids, attention_mask=attention_mask).last_hidden_state
         if lm_head is None:

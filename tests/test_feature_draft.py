@@ -27,6 +27,7 @@ def perfect_draft(qualifier):
     that layer predict it exactly."""
     draft = FeatureDraft.from_qualifier(qualifier, init_layer=0)
     draft.fc.weight.data[:, : draft.hidden_size].zero_()
+    draft.embed_scale.data.fill_(1.0)
     return draft
 
 

@@ -145,11 +145,10 @@ def build_module(args: FeatureDraftArguments, qualifier, tokenizer) -> FeatureDi
     else:
         draft = FeatureDraft.from_qualifier(qualifier, init_layer=args.init_layer).float()
     draft.train()
-    full_vocab = int(qualifier.get_output_embeddings().weight.shape[0])
     head = qualifier.get_output_embeddings()
-    if args.vocab_size and args.vocab_size < full_vocab and not isinstance(head, ReducedVocabHead):
+    if args.vocab_size and args.vocab_size < head.weight.shape[0] and not isinstance(head, ReducedVocabHead):
         reduce_loaded_vocab(qualifier, tokenizer, args.vocab_size, cache_root())
-    head = qualifier.get_output_embeddings()
+        head = qualifier.get_output_embeddings()
     ids = head.kept_ids if isinstance(head, ReducedVocabHead) else None
     return FeatureDistillation(draft, qualifier, head.weight, ids, args.feature_loss_weight, args.unroll_steps)
 

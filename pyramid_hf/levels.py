@@ -96,7 +96,7 @@ class ModelLevel:
         out = self.model(input_ids=new_ids, **kwargs)
         if self.keep_hidden:
             last = out.hidden_states[-1]  # (1, new, H), after the final norm
-            self.hidden = last if self.hidden is None else torch.cat([self.hidden[:, :keep], last], dim=1)
+            self.hidden = last if self.hidden is None else torch.cat([self.hidden, last], dim=1)  # cropped to keep
         logits = out.logits[0, -num_positions:]
         logits = logits.to(device=input_ids.device, dtype=torch.float32)
         if self._sync:

@@ -72,7 +72,7 @@ def summarize_walks(walks: list[dict], draft_tokens: int, taus: list[float]) -> 
 
     reached = [sum(w["reached"][j] for w in walks) for j in range(draft_tokens)]
     kept = [sum(w["kept"][j] for w in walks) for j in range(draft_tokens)]
-    emitted, tv, js, divs = pool("emitted"), pool("tv"), pool("js"), pool("div")
+    emitted, tv, js, divs, seconds = pool("emitted"), pool("tv"), pool("js"), pool("div"), pool("seconds")
     return {
         "positions": sum(reached),
         "mean_accepted_tokens": statistics.fmean(emitted) if emitted else None,
@@ -84,6 +84,6 @@ def summarize_walks(walks: list[dict], draft_tokens: int, taus: list[float]) -> 
                    "mean_accepted_tokens": None} for tau in taus],
         "mean_tv": statistics.fmean(tv) if tv else None,
         "mean_js": statistics.fmean(js) if js else None,
-        "student_ms_per_token": 1000 * statistics.median(pool("seconds")) if pool("seconds") else None,
+        "student_ms_per_token": 1000 * statistics.median(seconds) if seconds else None,
         "scored_on": "positions the draft reached in walked blocks (block-position dependent)",
     }

@@ -60,13 +60,12 @@ class FeatureDistillation(nn.Module):
     """The module `Trainer` optimises: the draft (trainable) plus a frozen qualifier that is not part of its state,
     so checkpoints hold only the draft."""
 
-    def __init__(self, draft: FeatureDraft, qualifier, head_weight: torch.Tensor, head_ids: torch.Tensor | None,
-                 feature_loss_weight: float = 0.1, unroll_steps: int = 2):
+    def __init__(self, draft: FeatureDraft, qualifier, head_weight: torch.Tensor, feature_loss_weight: float = 0.1,
+                 unroll_steps: int = 2):
         super().__init__()
         self.draft = draft
         object.__setattr__(self, "qualifier", qualifier.eval().requires_grad_(False))  # not a submodule
         self.register_buffer("head_weight", head_weight.detach().clone(), persistent=False)  # (K, H)
-        self.head_ids = head_ids  # (K,) full-vocabulary ids of head_weight's rows, None = all
         self.feature_loss_weight = feature_loss_weight
         self.unroll_steps = unroll_steps
 
@@ -149,8 +148,7 @@ def build_module(args: FeatureDraftArguments, qualifier, tokenizer) -> FeatureDi
     if args.vocab_size and args.vocab_size < head.weight.shape[0] and not isinstance(head, ReducedVocabHead):
         reduce_loaded_vocab(qualifier, tokenizer, args.vocab_size, cache_root())
         head = qualifier.get_output_embeddings()
-    ids = head.kept_ids if isinstance(head, ReducedVocabHead) else None
-    return FeatureDistillation(draft, qualifier, head.weight, ids, args.feature_loss_weight, args.unroll_steps)
+    return FeatureDistillation(draft, qualifier, head.weight, args.feature_loss_weight, args.unroll_steps)
 
 
 def _save_draft(module: FeatureDistillation, folder: Path, args: FeatureDraftArguments, step: int, tokenizer) -> Path:

@@ -67,7 +67,7 @@ def test_the_loss_falls_on_a_fixed_batch():
 
 def test_a_perfect_draft_has_zero_kl():
     qualifier = token_local(tiny_model("llama", 32, 1, init=0.3))
-    module = FeatureDistillation(perfect_draft(qualifier), qualifier, qualifier.lm_head.weight, None, 0.1, 2)
+    module = FeatureDistillation(perfect_draft(qualifier), qualifier, qualifier.lm_head.weight, 0.1, 2)
     module(torch.randint(3, VOCAB, (2, 16)))
     assert max(module.last_parts.values()) < 1e-6, module.last_parts
 

@@ -12,6 +12,11 @@ untouched:
 - `_assisted_decoding(input_ids, logits_processor, stopping_criteria, generation_config, ...)`:
   runs the pyramid's own loop (`pyramid_hf.decoding.pyramid_decoding`) in its place.
 
+Draft trees (`pyramid_hf.tree`) need two more things Transformers has no public API for: a custom 4D attention
+mask in the form the model's attention implementation reads (`tree_attention_mask`), and moving cached keys and
+values of the accepted tree path next to the sequence (`keep_cache_positions`, on `DynamicLayer.keys/values`).
+Both fall back to something always correct (no tree / re-feeding the path) where they do not apply.
+
 `EXPECTED_SIGNATURES` lists the parameters relied on; `check_signatures()` (run on install and by
 the test suite) fails loudly if an installed Transformers changes them.
 """
@@ -21,6 +26,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
+from transformers.cache_utils import DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
@@ -114,3 +121,43 @@ def install() -> None:
         current = getattr(GenerationMixin, name)
         if not hasattr(current, "__pyramid_original__"):
             setattr(GenerationMixin, name, make(current))
+
+
+# ---------------------------------------------------------------------------- draft trees
+TREE_ATTENTION = ("sdpa", "eager")  # implementations that read a custom 4D mask as given
+
+
+def supports_tree_attention(model) -> bool:
+    return getattr(model.config, "_attn_implementation", None) in TREE_ATTENTION
+
+
+def tree_attention_mask(model, allowed: torch.Tensor, device) -> torch.Tensor:
+    """(Q, K) bool (True: may attend) -> the (1, 1, Q, K) mask ``model``'s attention reads: bool for SDPA, additive
+    float (0 or the dtype's minimum) for eager. Transformers passes a 4D mask through unchanged."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in TREE_ATTENTION:
+        raise ValueError(f"draft trees need attention that reads a custom mask ({' or '.join(TREE_ATTENTION)}); "
+                         f"this model uses {implementation!r}: set draft_branches=1")
+    allowed = allowed[None, None].to(device)
+    if implementation == "sdpa":
+        return allowed
+    dtype = model.dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def keep_cache_positions(cache, start: int, positions: list[int], pending: int) -> bool:
+    """Keep cached positions ``[0, start)`` followed by ``positions`` (ascending, each >= start) and drop the rest
+    of the last ``pending`` positions. False (cache untouched) if a layer is not a plain `DynamicLayer` of the
+    expected length (sliding windows, quantized or offloaded caches): the caller then crops and re-feeds."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        return False
+    if any(layer.is_initialized and layer.keys.shape[-2] != start + pending for layer in layers):
+        return False
+    for layer in layers:
+        if not layer.is_initialized:
+            continue
+        index = torch.tensor(positions, dtype=torch.long, device=layer.keys.device)
+        layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, index)], dim=-2)
+        layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, index)], dim=-2)
+    return True

@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 from transformers.generation import CandidateGenerator, PromptLookupCandidateGenerator
 
+from ._hf import supports_tree_attention
 from .acceptance import get_rule
 from .config import PyramidConfig
 from .feature_draft import FeatureDraft, FeatureDraftLevel
 from .levels import ModelLevel, vocab_size_of
 from .stats import PyramidStats
+from .tree import DraftTree, verify_tree
 
 PROMPT_LOOKUP = "prompt_lookup"
 
@@ -73,6 +75,11 @@ class PyramidCandidateGenerator(CandidateGenerator):
         self.inner_rule = get_rule(config.qualifier_rule)
         self.draft_tokens = config.draft_tokens
         self.qualifier_tokens = config.qualifier_tokens
+        # draft trees: greedy only (see pyramid_hf.tree), from drafts that propose branches, on attention that reads
+        # a custom mask; otherwise one branch, as ever
+        self.tree_branches = config.draft_branches if (
+            not self.do_sample and hasattr(draft, "propose_branches") and supports_tree_attention(qualifier.model)
+        ) else 1
 
     # ------------------------------------------------------------------ masks
     def attention_mask_for(self, length: int) -> torch.Tensor | None:
@@ -115,8 +122,31 @@ class PyramidCandidateGenerator(CandidateGenerator):
         return ids, out_logits[0, : ids.numel()].to(device=seq.device, dtype=torch.float32).softmax(-1)
 
     # ------------------------------------------------------------------ one inner round
+    def _tree_round(self, seq: torch.Tensor, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify a draft tree in one qualifier pass (greedy), keep the best branch's accepted prefix."""
+        logits = self.qualifier.tree_logits(seq, tree, self.attention_mask_for(seq.shape[1]))
+
+        def branch_probs(b: int) -> torch.Tensor:
+            nodes = tree.branches[b]
+            prefix = torch.cat([seq, tree.branch_ids(b).view(1, -1).to(seq.device)], dim=1)
+            return self._probs(prefix, logits[[0] + [1 + i for i in nodes]])
+
+        b, n, next_token, qualifier_probs = verify_tree(tree, branch_probs, self.inner_rule,
+                                                        tau=self.config.tau_qualifier, divergence=self.config.divergence)
+        nodes = tree.branches[b]
+        self.qualifier.commit_tree_path(list(nodes[:n]))
+        self.stats.record_inner(len(nodes), n)
+        self.stats.record_tree(len(tree), b)
+        if self.config.schedule == "heuristic":
+            self.draft_tokens = heuristic_update(self.draft_tokens, len(nodes), n, self.config.draft_tokens)
+        return torch.cat([tree.branch_ids(b)[:n].to(seq.device), next_token.view(1).to(seq.device)]), qualifier_probs
+
     def _inner_round(self, seq: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft k, verify with the qualifier: returns new qualifier-level ids (m,) and their probs (m, V)."""
+        if self.tree_branches > 1:
+            branches = self.draft.propose_branches(seq[0].tolist(), k, self.tree_branches)
+            if len(branches) > 1:
+                return self._tree_round(seq, DraftTree.from_branches(branches))
         draft_ids, draft_probs = self._propose(seq, k)
         proposed = torch.cat([seq, draft_ids.view(1, -1)], dim=1)
         n_draft = draft_ids.shape[0]

@@ -23,6 +23,15 @@ class PyramidConfig:
     qualifier_tokens: int = field(
         default=8, metadata={"help": "l_Q: tokens the qualifier sends to the target per outer round."}
     )
+    draft_branches: int = field(
+        default=1,
+        metadata={
+            "help": "Draft trees: up to this many different drafts per inner round (e.g. every continuation of the "
+            "text's tail seen earlier), checked in ONE qualifier pass with a tree attention mask; the branch with the "
+            "longest accepted prefix wins. Pays off where a pass over ~20 tokens costs about one token's pass (CPUs, "
+            "small models). Greedy decoding with an n-gram draft only; otherwise one draft, as with 1."
+        },
+    )
     qualifier_rule: str = field(
         default="exact",
         metadata={"help": "Inner-stage rule: 'exact' (lossless), 'assisted' (strict match, PSD_A) or 'fuzzy' (PSD_F)."},
@@ -48,7 +57,7 @@ class PyramidConfig:
     )
 
     def __post_init__(self):
-        for name in ("draft_tokens", "qualifier_tokens"):
+        for name in ("draft_tokens", "qualifier_tokens", "draft_branches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -14,6 +14,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from ._hf import keep_cache_positions, tree_attention_mask
 from .stats import PyramidStats
 
 
@@ -48,6 +49,9 @@ class ModelLevel:
         # the last hidden state (what the LM head reads) of every cached position, for a feature draft below
         self.keep_hidden = keep_hidden
         self.hidden: torch.Tensor | None = None  # (1, len(cached_ids), H) when keep_hidden
+        self.pending_nodes = 0  # draft-tree nodes the cache holds past cached_ids, until commit_tree_path()
+        self.pending_hidden: torch.Tensor | None = None
+        self.pending_ids: tuple[int, ...] = ()
 
     def _common_prefix(self, input_ids: torch.Tensor) -> int:
         n = min(self.cached_ids.shape[1], input_ids.shape[1])
@@ -57,7 +61,8 @@ class ModelLevel:
         return int(same.to(torch.int64).cumprod(0).sum().item())
 
     def crop_to(self, keep: int) -> None:
-        drop = self.cached_ids.shape[1] - keep
+        drop = self.cached_ids.shape[1] + self.pending_nodes - keep
+        self.pending_nodes, self.pending_hidden = 0, None
         if drop > 0:
             self.cache.crop(-drop)
             self.cached_ids = self.cached_ids[:, :keep]
@@ -82,25 +87,79 @@ class ModelLevel:
             raise ValueError(f"num_positions must be in [1, {length}], got {num_positions}")
         keep = min(self._common_prefix(input_ids), length - num_positions)
         self.crop_to(keep)
-        new_ids = input_ids[:, keep:].to(self.device)
-        kwargs = {"cache": self.cache, "use_cache": True}
+        kwargs = {}
         if attention_mask is not None:
             mask = attention_mask[:, :length].to(self.device)
             kwargs["attention_mask"] = mask
             kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, keep:]
+        return self._forward(input_ids, keep, input_ids[:, keep:], num_positions, kwargs)
+
+    def _forward(self, input_ids, keep: int, new_ids, num_positions: int, kwargs: dict) -> torch.Tensor:
+        """Feed ``new_ids`` after the ``keep`` cached positions; cached_ids becomes ``input_ids`` (the sequence part
+        of new_ids; tree nodes past it are pending). Returns the last ``num_positions`` logits, float32."""
+        kwargs.update(cache=self.cache, use_cache=True)
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = num_positions
         if self.keep_hidden:
             kwargs["output_hidden_states"] = True
         start = time.perf_counter()
-        out = self.model(input_ids=new_ids, **kwargs)
+        out = self.model(input_ids=new_ids.to(self.device), **kwargs)
+        sequence_new = input_ids.shape[1] - keep
         if self.keep_hidden:
             last = out.hidden_states[-1]  # (1, new, H), after the final norm
-            self.hidden = last if self.hidden is None else torch.cat([self.hidden, last], dim=1)  # cropped to keep
+            seq_last = last[:, :sequence_new]
+            self.hidden = seq_last if self.hidden is None else torch.cat([self.hidden, seq_last], dim=1)
+            self.pending_hidden = last[:, sequence_new:]
         logits = out.logits[0, -num_positions:]
         logits = logits.to(device=input_ids.device, dtype=torch.float32)
         if self._sync:
             torch.cuda.synchronize(self.device)
         self.stats.record_forward(self.name, time.perf_counter() - start)
         self.cached_ids = torch.cat([self.cached_ids.to(input_ids.device), input_ids[:, keep:]], dim=1)
+        self.pending_nodes = new_ids.shape[1] - sequence_new
         return logits
+
+    # ------------------------------------------------------------------ draft trees
+    @torch.no_grad()
+    def tree_logits(self, input_ids: torch.Tensor, tree, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass over ``input_ids`` (1, L) and a `DraftTree` after it: (1 + N, V) float32 logits, row 0 for the
+        position after ``input_ids``, row 1 + i for the position after node i. Nodes stay in the cache until
+        `commit_tree_path` keeps one path of them (any other call drops them)."""
+        length, nodes = input_ids.shape[1], len(tree)
+        keep = min(self._common_prefix(input_ids), length - 1)
+        self.crop_to(keep)
+        fed = length - keep
+        allowed = torch.zeros(fed + nodes, length + nodes, dtype=torch.bool)
+        allowed[:fed, :length] = torch.ones(fed, length, dtype=torch.bool).tril(keep)  # causal over the sequence
+        allowed[fed:, :length] = True
+        allowed[fed:, length:] = tree.ancestor_mask()
+        depths = torch.tensor(tree.depths())
+        if attention_mask is not None:
+            padding = attention_mask[0, :length].to(torch.bool).cpu()
+            allowed[:, :length] &= padding
+            allowed[torch.arange(fed), keep + torch.arange(fed)] = True  # every row sees itself (no empty rows)
+            positions = (padding.long().cumsum(-1) - 1).clamp(min=0)
+        else:
+            positions = torch.arange(length)
+        position_ids = torch.cat([positions[keep:], positions[-1] + depths])[None].to(self.device)
+        tree_ids = torch.tensor([tree.ids], dtype=input_ids.dtype)
+        new_ids = torch.cat([input_ids[:, keep:].cpu(), tree_ids], dim=1)
+        mask = tree_attention_mask(self.model, allowed, self.device)
+        logits = self._forward(input_ids, keep, new_ids, nodes + 1, {"attention_mask": mask,
+                                                                      "position_ids": position_ids})
+        self.pending_ids = tree.ids
+        return logits
+
+    def commit_tree_path(self, path_nodes: list[int]) -> None:
+        """Keep the pending tree nodes ``path_nodes`` (a root-to-node path) after the sequence, drop the others."""
+        if not self.pending_nodes:
+            raise RuntimeError(f"the {self.name} level holds no draft tree")
+        length = self.cached_ids.shape[1]
+        if not keep_cache_positions(self.cache, length, [length + i for i in path_nodes], self.pending_nodes):
+            self.crop_to(length)  # a cache that cannot be rearranged: the path is fed again next time
+            return
+        path_ids = torch.tensor([[self.pending_ids[i] for i in path_nodes]], dtype=self.cached_ids.dtype)
+        self.cached_ids = torch.cat([self.cached_ids, path_ids], dim=1)
+        if self.keep_hidden and self.pending_hidden is not None:
+            self.hidden = torch.cat([self.hidden, self.pending_hidden[:, path_nodes]], dim=1)
+        self.pending_nodes, self.pending_hidden = 0, None

@@ -159,15 +159,26 @@ def stdlib_ngram_table(tokenizer, cache_dir, orders=(6, 5, 4, 3, 2, 1), limit: i
 def lookup_in_text(ids: list[int], max_ngram: int, num_tokens: int) -> tuple[int, list[int]]:
     """Prompt lookup: the longest n (<= max_ngram) whose last-n tokens occurred earlier in ``ids``, and the tokens
     that followed their most recent earlier occurrence (recent text repeats more than old text); (0, []) if none."""
+    found = lookup_branches(ids, max_ngram, num_tokens, 1)
+    return found[0] if found else (0, [])
+
+
+def lookup_branches(ids: list[int], max_ngram: int, num_tokens: int, max_branches: int) -> list[tuple[int, list[int]]]:
+    """Up to ``max_branches`` different continuations of earlier occurrences of the text's tail, as (n, tokens):
+    longer matched tails first, the most recent occurrence first within one n."""
     arr = np.asarray(ids, dtype=np.int64)
     length = arr.shape[0]
+    found, seen = [], set()
     for n in range(min(max_ngram, length - 1), 0, -1):
         windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)  # starts 0 .. L-1-n
-        hits = np.flatnonzero((windows == arr[length - n :]).all(axis=1))
-        if hits.shape[0]:
-            start = int(hits[-1]) + n
-            return n, ids[start : start + num_tokens]
-    return 0, []
+        for hit in np.flatnonzero((windows == arr[length - n :]).all(axis=1))[::-1]:
+            tokens = ids[int(hit) + n : int(hit) + n + num_tokens]
+            if tokens and tuple(tokens) not in seen:
+                seen.add(tuple(tokens))
+                found.append((n, tokens))
+                if len(found) >= max_branches:
+                    return found
+    return found
 
 
 class CorpusNgramDraft(CandidateGenerator):
@@ -202,19 +213,31 @@ class CorpusNgramDraft(CandidateGenerator):
 
     def propose(self, ids: list[int], num_tokens: int | None = None) -> list[int]:
         """Up to ``num_tokens`` (default ``num_output_tokens``) draft tokens after ``ids``."""
+        return self.propose_branches(ids, num_tokens, 1)[0]
+
+    def propose_branches(self, ids: list[int], num_tokens: int | None = None, max_branches: int = 4) -> list[list[int]]:
+        """Up to ``max_branches`` different drafts of up to ``num_tokens`` tokens (a `pyramid_hf.tree.DraftTree`'s
+        branches), best guess first: the lookup or corpus draft `propose` makes, then the other one, then other
+        continuations of the text's tail found earlier in the text. ``[[]]`` when nothing is known."""
         k = self.num_output_tokens if num_tokens is None else num_tokens
-        n_text, from_text = lookup_in_text(ids, self.max_ngram, k)
+        from_text = lookup_branches(ids, self.max_ngram, k, max_branches)
         n_corpus = self.table.known_order(ids, self.min_count, self.min_share)
-        if from_text and n_text >= n_corpus - 1:
-            proposed = from_text
-        else:
-            proposed = []
-            while len(proposed) < k:
-                token = self.table.predict(ids + proposed, self.min_count, self.min_share)
-                if token is None:
-                    break
-                proposed.append(token)
-            proposed = proposed or from_text
+        from_corpus = []
+        while n_corpus and len(from_corpus) < k:
+            token = self.table.predict(ids + from_corpus, self.min_count, self.min_share)
+            if token is None:
+                break
+            from_corpus.append(token)
+        text_first = bool(from_text) and from_text[0][0] >= n_corpus - 1
+        ordered = [t for _, t in from_text[:1]] + [from_corpus] if text_first else [from_corpus] + [t for _, t in from_text[:1]]
+        branches = []
+        for branch in ordered + [t for _, t in from_text[1:]]:
+            branch = self._cut_at_eos(branch)
+            if branch and branch not in branches:
+                branches.append(branch)
+        return branches[:max_branches] or [[]]
+
+    def _cut_at_eos(self, proposed: list[int]) -> list[int]:
         for i, token in enumerate(proposed):
             if token in self.eos_ids:
                 return proposed[: i + 1]

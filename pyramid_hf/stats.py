@@ -20,6 +20,9 @@ class PyramidStats:
     qualifier_proposed: int = 0
     qualifier_accepted: int = 0
     inner_rounds: int = 0
+    tree_rounds: int = 0  # inner rounds that checked a draft tree (pyramid_hf.tree) instead of one draft
+    tree_nodes: int = 0  # tokens the qualifier read in those rounds' trees
+    tree_other_branch_won: int = 0  # tree rounds won by a branch other than the draft's first guess
     target_calls: int = 0
     new_tokens: int = 0
     generate_calls: int = 0
@@ -39,6 +42,11 @@ class PyramidStats:
         self.draft_proposed += proposed
         self.draft_accepted += accepted
         self.inner_accepted_hist[accepted] += 1
+
+    def record_tree(self, nodes: int, winner: int) -> None:
+        self.tree_rounds += 1
+        self.tree_nodes += nodes
+        self.tree_other_branch_won += winner > 0
 
     def record_outer(self, proposed: int, accepted: int) -> None:
         self.target_calls += 1
@@ -114,4 +122,6 @@ class PyramidStats:
             f"({self.qualifier_acceptance_rate:.1%}); {self.mean_tokens_per_target_call:.2f} tokens/target call; "
             f"forwards D/Q/T {self.forward_calls['draft']}/{self.forward_calls['qualifier']}/"
             f"{self.forward_calls['target']}"
+            + (f"; draft trees in {self.tree_rounds}/{self.inner_rounds} inner rounds ({self.tree_nodes} nodes, "
+               f"{self.tree_other_branch_won} won by another branch)" if self.tree_rounds else "")
         )

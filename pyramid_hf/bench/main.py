@@ -23,13 +23,14 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     return values
 
 
-def _pairs(text: str, name: str, cast) -> tuple[tuple, ...]:
+def _pairs(text: str, name: str, cast, sizes=(2,)) -> tuple[tuple, ...]:
+    shape = "a:b,c:d" + (" (or a:b:c,...)" if 3 in sizes else "")
     try:
         pairs = tuple(tuple(cast(v) for v in item.split(":")) for item in text.split(",") if item.strip())
     except ValueError:
-        raise ValueError(f"--{name} must look like a:b,c:d, got {text!r}") from None
-    if not pairs or any(len(p) != 2 for p in pairs):
-        raise ValueError(f"--{name} must look like a:b,c:d, got {text!r}")
+        raise ValueError(f"--{name} must look like {shape}, got {text!r}") from None
+    if not pairs or any(len(p) not in sizes for p in pairs):
+        raise ValueError(f"--{name} must look like {shape}, got {text!r}")
     return pairs
 
 
@@ -58,7 +59,8 @@ class BenchArgs:
     stop_strings: bool = field(default=True, metadata={"help": "stop at HumanEval's end-of-function markers"})
     sd_tokens: str = field(default="3,5,8", metadata={"help": "draft lengths swept for two-model SD"})
     lookup_tokens: str = field(default="4,10", metadata={"help": "draft lengths swept for prompt lookup"})
-    psd_grid: str | None = field(default=None, metadata={"help": "l_D:l_Q pairs swept for psd (default: preset's)"})
+    psd_grid: str | None = field(default=None, metadata={
+        "help": "l_D:l_Q pairs swept for psd and psd_a, or l_D:l_Q:branches with draft trees (default: preset's)"})
     tau_grid: str = field(default="0.1:0.05,0.2:0.1,0.3:0.2", metadata={"help": "tau_T:tau_Q pairs for psd_f"})
     check_timeout_s: float = field(default=10.0, metadata={"help": "time limit of each unit-test run"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
@@ -75,7 +77,7 @@ class BenchArgs:
             raise ValueError("--max_new_tokens and --limit must be positive, --tune_limit non-negative")
         self.sd_token_grid = _ints(self.sd_tokens, "sd_tokens")
         self.lookup_token_grid = _ints(self.lookup_tokens, "lookup_tokens")
-        self.psd_pairs = _pairs(self.psd_grid, "psd_grid", int) if self.psd_grid else None
+        self.psd_pairs = _pairs(self.psd_grid, "psd_grid", int, sizes=(2, 3)) if self.psd_grid else None
         self.tau_pairs = _pairs(self.tau_grid, "tau_grid", float)
 
     @property

@@ -60,7 +60,7 @@ class Method:
     def pyramid_config(self) -> PyramidConfig:
         knobs = self.knob_dict
         common = dict(draft_tokens=knobs.get("draft_tokens", 4), qualifier_tokens=knobs.get("qualifier_tokens", 8),
-                      divergence=knobs.get("divergence", "js"))
+                      draft_branches=knobs.get("draft_branches", 1), divergence=knobs.get("divergence", "js"))
         if self.method == "psd":
             return PyramidConfig(**common)
         tau_target = float(knobs.get("tau_target", 0.0))
@@ -107,22 +107,27 @@ def default_grid(trio: Trio, knobs: dict, sd_tokens=(3, 5, 8), lookup_tokens=(4,
                  tau_grid=((0.1, 0.05), (0.2, 0.1), (0.3, 0.2))) -> dict[str, list[Method]]:
     """Candidate settings per method family; the bench keeps each family's best on the tuning prompts.
 
-    ``knobs`` are the preset's tuned PyramidConfig values (draft_tokens, qualifier_tokens, taus).
+    ``knobs`` are the preset's tuned PyramidConfig values (draft_tokens, qualifier_tokens, draft_branches, taus).
     ``tau_grid`` holds (tau_target, tau_qualifier) pairs for psd_f (tau_qualifier <= tau_target works best).
     """
-    l_d, l_q = knobs.get("draft_tokens", 4), knobs.get("qualifier_tokens", 8)
+    l_d, l_q, branches = knobs.get("draft_tokens", 4), knobs.get("qualifier_tokens", 8), knobs.get("draft_branches", 1)
+
+    def pyramid_knobs(setting) -> dict:  # (l_D, l_Q) or (l_D, l_Q, draft branches); 1 branch stays unnamed
+        d, q, b = (*setting, branches) if len(setting) == 2 else setting
+        return {"draft_tokens": d, "qualifier_tokens": q} | ({"draft_branches": b} if b != 1 else {})
+
     psd_grid = psd_grid or [(l_d, l_q)]
     grid = {
         "ar": [Method.make("ar")],
         "sd_qualifier": [Method.make("sd_qualifier", num_tokens=k) for k in sd_tokens]
         + [Method.make("sd_qualifier", num_tokens="heuristic")],
         "sd_lookup": [Method.make("sd_lookup", num_tokens=k) for k in lookup_tokens],
-        "psd": [Method.make("psd", draft_tokens=d, qualifier_tokens=q) for d, q in psd_grid],
-        "psd_a": [Method.make("psd_a", draft_tokens=d, qualifier_tokens=q) for d, q in psd_grid],
+        "psd": [Method.make("psd", **pyramid_knobs(s)) for s in psd_grid],
+        "psd_a": [Method.make("psd_a", **pyramid_knobs(s)) for s in psd_grid],
     }
     if trio.has_model_draft:
         grid["sd_draft"] = [Method.make("sd_draft", num_tokens=k) for k in sd_tokens]
     # psd_f is not tuned away: each tau is its own point on the speed/quality curve
-    grid["psd_f"] = [Method.make("psd_f", draft_tokens=l_d, qualifier_tokens=l_q, tau_target=t, tau_qualifier=q)
+    grid["psd_f"] = [Method.make("psd_f", **pyramid_knobs((l_d, l_q)), tau_target=t, tau_qualifier=q)
                      for t, q in tau_grid]
     return grid

@@ -138,6 +138,51 @@ def fuzzy_rule(candidate_ids, proposer_probs, verifier_probs, *, do_sample, tau,
     return n, _pick(verifier_probs[n], do_sample)
 
 
+# ---------------------------------------------------------------------------- tree rules (sampling)
+# At one node of a draft tree (`pyramid_hf.tree`): which child, if any, to descend into, and the token emitted here.
+#     child_rule(child_ids, verifier_probs, *, tau, divergence) -> (child index or None, token: 0-d LongTensor)
+#         child_ids (m,) distinct tokens the draft proposed after this node, in proposal order (point masses)
+#         verifier_probs (V,) the verifier's processed distribution at this node
+# Each emits a token distributed exactly as verifier_probs (exact, assisted); fuzzy, as in the chain rule, does not.
+
+
+def exact_children(child_ids, verifier_probs, *, tau=0.0, divergence="js"):
+    """Recursive rejection (SpecInfer-style) for point-mass proposals: accept child c with the probability the
+    residual gives it; on rejection remove c from the residual and try the next; none left: sample the residual."""
+    residual = verifier_probs.clone()
+    for j, token in enumerate(child_ids.tolist()):
+        total = residual.sum()
+        if total <= 0:
+            break
+        if float(torch.rand((), device=residual.device, dtype=residual.dtype)) * total < residual[token]:
+            return j, child_ids[j]
+        residual[token] = 0.0
+    if residual.sum() <= 0:  # rounding only: every remaining token was proposed and rejected
+        residual = verifier_probs
+    return None, _sample(residual / residual.sum())
+
+
+def assisted_children(child_ids, verifier_probs, *, tau=0.0, divergence="js"):
+    """Strict match: the verifier samples its own token; descend into the child that equals it, if any."""
+    token = _sample(verifier_probs)
+    hits = (child_ids == token).nonzero()
+    return (int(hits[0, 0]) if hits.numel() else None), token
+
+
+def fuzzy_children(child_ids, verifier_probs, *, tau, divergence="js"):
+    """Fuzzy: the first child whose point mass lies within tau of the verifier's distribution; else a sample."""
+    if child_ids.numel():
+        points = _point_masses(child_ids, verifier_probs.shape[-1], verifier_probs)
+        close = (DIVERGENCES[divergence](verifier_probs[None], points) <= tau).nonzero()
+        if close.numel():
+            j = int(close[0, 0])
+            return j, child_ids[j]
+    return None, _sample(verifier_probs)
+
+
+CHILD_RULES = {"exact": exact_children, "assisted": assisted_children, "fuzzy": fuzzy_children}
+
+
 RULES = {
     "exact": exact_rule,
     "assisted": assisted_rule,

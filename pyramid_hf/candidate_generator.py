@@ -13,12 +13,12 @@ import torch
 from transformers.generation import CandidateGenerator, PromptLookupCandidateGenerator
 
 from ._hf import supports_tree_attention
-from .acceptance import get_rule
+from .acceptance import CHILD_RULES, get_rule
 from .config import PyramidConfig
 from .feature_draft import FeatureDraft, FeatureDraftLevel
 from .levels import ModelLevel, vocab_size_of
 from .stats import PyramidStats
-from .tree import DraftTree, verify_tree
+from .tree import DraftTree, sample_tree, verify_tree
 
 PROMPT_LOOKUP = "prompt_lookup"
 
@@ -75,11 +75,12 @@ class PyramidCandidateGenerator(CandidateGenerator):
         self.inner_rule = get_rule(config.qualifier_rule)
         self.draft_tokens = config.draft_tokens
         self.qualifier_tokens = config.qualifier_tokens
-        # draft trees: greedy only (see pyramid_hf.tree), from drafts that propose branches, on attention that reads
-        # a custom mask; otherwise one branch, as ever
+        # draft trees (pyramid_hf.tree): from drafts that propose branches, on attention that reads a custom mask;
+        # otherwise one branch, as ever
         self.tree_branches = config.draft_branches if (
-            not self.do_sample and hasattr(draft, "propose_branches") and supports_tree_attention(qualifier.model)
+            hasattr(draft, "propose_branches") and supports_tree_attention(qualifier.model)
         ) else 1
+        self.child_rule = CHILD_RULES[config.qualifier_rule]
 
     # ------------------------------------------------------------------ masks
     def attention_mask_for(self, length: int) -> torch.Tensor | None:
@@ -123,23 +124,36 @@ class PyramidCandidateGenerator(CandidateGenerator):
 
     # ------------------------------------------------------------------ one inner round
     def _tree_round(self, seq: torch.Tensor, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
-        """Verify a draft tree in one qualifier pass (greedy), keep the best branch's accepted prefix."""
+        """Verify a draft tree in one qualifier pass, keep the accepted path (see pyramid_hf.tree)."""
         logits = self.qualifier.tree_logits(seq, tree, self.attention_mask_for(seq.shape[1]))
+        cfg = self.config
+        if self.do_sample:
+            def node_probs(node: int) -> torch.Tensor:
+                path = tree.path_to(node)
+                prefix = torch.cat([seq, torch.tensor([[tree.ids[i] for i in path]], dtype=seq.dtype,
+                                                      device=seq.device)], dim=1)
+                return self._probs(prefix, logits[1 + node : 2 + node])[0]
 
-        def branch_probs(b: int) -> torch.Tensor:
-            nodes = tree.branches[b]
-            prefix = torch.cat([seq, tree.branch_ids(b).view(1, -1).to(seq.device)], dim=1)
-            return self._probs(prefix, logits[[0] + [1 + i for i in nodes]])
+            nodes, next_token, qualifier_probs = sample_tree(tree, node_probs, self.child_rule, tau=cfg.tau_qualifier,
+                                                             divergence=cfg.divergence)
+            n, proposed = len(nodes), max(len(b) for b in tree.branches)
+            winner = next(b for b, branch in enumerate(tree.branches) if branch[:n] == tuple(nodes))
+        else:
+            def branch_probs(b: int) -> torch.Tensor:
+                prefix = torch.cat([seq, tree.branch_ids(b).view(1, -1).to(seq.device)], dim=1)
+                return self._probs(prefix, logits[[0] + [1 + i for i in tree.branches[b]]])
 
-        b, n, next_token, qualifier_probs = verify_tree(tree, branch_probs, self.inner_rule,
-                                                        tau=self.config.tau_qualifier, divergence=self.config.divergence)
-        nodes = tree.branches[b]
-        self.qualifier.commit_tree_path(list(nodes[:n]))
-        self.stats.record_inner(len(nodes), n)
-        self.stats.record_tree(len(tree), b)
-        if self.config.schedule == "heuristic":
-            self.draft_tokens = heuristic_update(self.draft_tokens, len(nodes), n, self.config.draft_tokens)
-        return torch.cat([tree.branch_ids(b)[:n].to(seq.device), next_token.view(1).to(seq.device)]), qualifier_probs
+            winner, n, next_token, qualifier_probs = verify_tree(tree, branch_probs, self.inner_rule,
+                                                                 tau=cfg.tau_qualifier, divergence=cfg.divergence)
+            nodes = tree.branches[winner][:n]
+            proposed = len(tree.branches[winner])
+        self.qualifier.commit_tree_path(list(nodes))
+        self.stats.record_inner(proposed, n)
+        self.stats.record_tree(len(tree), winner)
+        if cfg.schedule == "heuristic":
+            self.draft_tokens = heuristic_update(self.draft_tokens, proposed, n, cfg.draft_tokens)
+        path_ids = torch.tensor([tree.ids[i] for i in nodes], dtype=seq.dtype, device=seq.device)
+        return torch.cat([path_ids, next_token.view(1).to(seq.device)]), qualifier_probs
 
     def _inner_round(self, seq: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft k, verify with the qualifier: returns new qualifier-level ids (m,) and their probs (m, V)."""

@@ -28,8 +28,9 @@ class PyramidConfig:
         metadata={
             "help": "Draft trees: up to this many different drafts per inner round (e.g. every continuation of the "
             "text's tail seen earlier), checked in ONE qualifier pass with a tree attention mask; the branch with the "
-            "longest accepted prefix wins. Pays off where a pass over ~20 tokens costs about one token's pass (CPUs, "
-            "small models). Greedy decoding with an n-gram draft only; otherwise one draft, as with 1."
+            "longest accepted prefix wins (sampling: recursive rejection over the branches, still lossless). Pays off where "
+            "a pass over ~20 tokens costs about one token's pass (CPUs, small models). Drafts that propose branches "
+            "(the n-gram draft) only; others propose one draft, as with 1."
         },
     )
     qualifier_rule: str = field(

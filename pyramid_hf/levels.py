@@ -158,7 +158,8 @@ class ModelLevel:
         if not keep_cache_positions(self.cache, length, [length + i for i in path_nodes], self.pending_nodes):
             self.crop_to(length)  # a cache that cannot be rearranged: the path is fed again next time
             return
-        path_ids = torch.tensor([[self.pending_ids[i] for i in path_nodes]], dtype=self.cached_ids.dtype)
+        path_ids = torch.tensor([[self.pending_ids[i] for i in path_nodes]], dtype=self.cached_ids.dtype,
+                                device=self.cached_ids.device)
         self.cached_ids = torch.cat([self.cached_ids, path_ids], dim=1)
         if self.keep_hidden and self.pending_hidden is not None:
             self.hidden = torch.cat([self.hidden, self.pending_hidden[:, path_nodes]], dim=1)

@@ -76,15 +76,20 @@ def _ngram_draft():
 
 
 @pytest.mark.parametrize("rule,draft", [("exact", "model"), ("assisted", "model"), ("exact", "prompt_lookup"),
-                                        ("exact", "ngram"), ("exact", None)])
+                                        ("exact", "ngram"), ("exact", None), ("exact", "ngram_tree"),
+                                        ("assisted", "ngram_tree")])
 def test_sampling_matches_target_distribution(sharp_trio, rule, draft):
     target, qualifier, draft_model = sharp_trio
-    draft = _ngram_draft() if draft == "ngram" else draft
+    branches = 3 if draft == "ngram_tree" else 1
+    draft = _ngram_draft() if draft in ("ngram", "ngram_tree") else draft
     assistant = PyramidAssistant(qualifier, draft_model if draft == "model" else draft,
-                                 PyramidConfig(draft_tokens=2, qualifier_tokens=2, qualifier_rule=rule))
+                                 PyramidConfig(draft_tokens=2, qualifier_tokens=2, qualifier_rule=rule,
+                                               draft_branches=branches))
     pvals = _pvalues(_samples(target, assistant), _target_joint(target))
     assert min(pvals) > 1e-3, pvals
     assert assistant.total_stats.qualifier_accepted > 0 and assistant.total_stats.target_calls > SAMPLES
+    if branches > 1:  # the draft trees were really walked, and not only along their first branch
+        assert assistant.total_stats.tree_rounds > SAMPLES // 2 and assistant.total_stats.tree_other_branch_won > 0
 
 
 def test_planted_residual_bug_is_caught(sharp_trio, monkeypatch):

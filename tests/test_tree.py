@@ -3,14 +3,16 @@ a plain pass over it, and a pyramid that verifies trees stays token-for-token eq
 
 import pytest
 import torch
+from scipy.stats import chisquare
 from tiny import VOCAB, tiny_model
 
 from pyramid_hf import PyramidAssistant, PyramidConfig
 from pyramid_hf._hf import keep_cache_positions, tree_attention_mask
+from pyramid_hf.acceptance import CHILD_RULES
 from pyramid_hf.levels import ModelLevel
 from pyramid_hf.ngram_draft import CorpusNgramDraft, NgramTable, lookup_branches
 from pyramid_hf.stats import PyramidStats
-from pyramid_hf.tree import DraftTree
+from pyramid_hf.tree import DraftTree, sample_tree
 
 BRANCHES = [[5, 6, 7], [5, 8], [9, 10, 11, 12], [5, 6, 13], [5, 6]]
 
@@ -124,7 +126,7 @@ def test_pyramid_with_draft_trees_is_exact(arch, seed, max_new, l_d, l_q, branch
     assert 0 < stats.draft_accepted
 
 
-def test_trees_win_rounds_a_single_draft_loses_and_sampling_keeps_one_draft(llama_trio):
+def test_trees_win_rounds_a_single_draft_loses(llama_trio):
     target, qualifier, _ = llama_trio
     table = _table_from(qualifier)
     prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
@@ -137,13 +139,64 @@ def test_trees_win_rounds_a_single_draft_loses_and_sampling_keeps_one_draft(llam
     assert totals[1].tree_rounds == 0
     assert totals[6].tree_other_branch_won > 0  # another branch beat the first guess at least once
     assert totals[6].mean_tokens_per_qualifier_call >= totals[1].mean_tokens_per_qualifier_call
-    assistant = PyramidAssistant(qualifier, CorpusNgramDraft(table),
-                                 PyramidConfig(draft_tokens=4, qualifier_tokens=8, draft_branches=6))
-    torch.manual_seed(0)
-    target.generate(prompt, assistant_model=assistant, do_sample=True, max_new_tokens=20)
-    assert assistant.stats.tree_rounds == 0  # best-of-branches would bias sampling: one draft
 
 
 def test_draft_branches_is_validated():
     with pytest.raises(ValueError, match="draft_branches"):
         PyramidConfig(draft_branches=0)
+
+
+def _walk_samples(tree, probs_by_node, rule, draws=20000, tau=0.0):
+    torch.manual_seed(7)
+    firsts, seconds = [], []
+    for _ in range(draws):
+        path, token, rows = sample_tree(tree, lambda node: probs_by_node[node], CHILD_RULES[rule], tau=tau,
+                                        divergence="js")
+        emitted = [tree.ids[i] for i in path] + [int(token)]
+        assert rows.shape[0] == len(emitted)
+        firsts.append(emitted[0])
+        if path and tree.ids[path[0]] == 2:  # descended into the child 2 (node 0): what came after it
+            seconds.append(emitted[1])
+    return torch.tensor(firsts), torch.tensor(seconds)
+
+
+def _chi2_p(samples, probs):
+    observed = torch.bincount(samples, minlength=probs.shape[0]).double()
+    keep = probs > 0
+    assert observed[~keep].sum() == 0, "a token of probability 0 was emitted"
+    return chisquare(observed[keep].numpy(), (probs[keep] / probs[keep].sum() * samples.shape[0]).numpy()).pvalue
+
+
+# children of the root: 2, 3, 4 (three branches); after 2 the tree proposes 5 and 1
+TREE = DraftTree.from_branches([[2, 5], [3], [4, 0], [2, 1]])
+NODE_PROBS = {-1: torch.tensor([0.05, 0.1, 0.3, 0.25, 0.0, 0.3], dtype=torch.float64),
+              0: torch.tensor([0.2, 0.1, 0.1, 0.1, 0.1, 0.4], dtype=torch.float64)}
+NODE_PROBS.update({n: torch.full((6,), 1 / 6, dtype=torch.float64) for n in range(1, len(TREE))})
+
+
+@pytest.mark.parametrize("rule", ["exact", "assisted"])
+def test_tree_sampling_emits_the_verifiers_distribution(rule):
+    firsts, seconds = _walk_samples(TREE, NODE_PROBS, rule)
+    assert _chi2_p(firsts, NODE_PROBS[-1]) > 1e-3
+    assert _chi2_p(seconds, NODE_PROBS[0]) > 1e-3  # after descending into 2: the distribution after node 0
+    assert seconds.shape[0] > 0.25 * firsts.shape[0]
+
+
+def test_tree_sampling_check_catches_a_planted_bug(monkeypatch):
+    """Accept each child with the verifier's own probability instead of the residual's: over-emits children."""
+    def buggy(child_ids, verifier_probs, *, tau=0.0, divergence="js"):
+        for j, token in enumerate(child_ids.tolist()):
+            if float(torch.rand(())) < verifier_probs[token]:
+                return j, child_ids[j]
+        return None, torch.multinomial(verifier_probs, 1)[0]
+
+    monkeypatch.setitem(CHILD_RULES, "exact", buggy)
+    firsts, _ = _walk_samples(TREE, NODE_PROBS, "exact", draws=5000)
+    assert _chi2_p(firsts, NODE_PROBS[-1]) < 1e-3
+
+
+def test_fuzzy_children_take_the_first_close_child():
+    probs = torch.tensor([0.02, 0.9, 0.08])
+    assert CHILD_RULES["fuzzy"](torch.tensor([2, 1]), probs, tau=0.2)[0] == 1  # JS(p, point mass on 1) ~0.05
+    j, token = CHILD_RULES["fuzzy"](torch.tensor([2, 0]), probs, tau=0.2)
+    assert j is None and 0 <= int(token) < 3

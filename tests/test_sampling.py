@@ -12,7 +12,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from tiny import tiny_model
-from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation import (
+    CandidateGenerator,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import pyramid_hf.acceptance as acceptance
 from pyramid_hf import PyramidAssistant, PyramidConfig
@@ -68,6 +74,24 @@ def _pvalues(samples, joint):
     return pvals
 
 
+class _BranchingDraft(CandidateGenerator):
+    """Deterministic drafts (point masses) in several branches that depend on the text so far: a draft tree every
+    round, whose branches share first tokens sometimes and are right or wrong in every combination."""
+
+    def propose_branches(self, ids, num_tokens, max_branches):
+        last = ids[-1]
+        branches = [[(last + 1) % V, (last + 2) % V], [(last + 1) % V, (3 * last) % V], [(5 * last + 2) % V],
+                    [(last + 4) % V, last]]
+        return [b[:num_tokens] for b in branches[:max_branches]]
+
+    def get_candidates(self, input_ids, **kwargs):
+        first = self.propose_branches(input_ids[0].tolist(), 2, 1)[0]
+        return torch.cat([input_ids, torch.tensor([first], dtype=input_ids.dtype)], dim=1), None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        return
+
+
 def _ngram_draft():
     """A corpus n-gram draft over V tokens whose table holds the prompt's continuation 1,2,3 -> 4,5 and noise."""
     g = torch.Generator().manual_seed(0)
@@ -76,20 +100,19 @@ def _ngram_draft():
 
 
 @pytest.mark.parametrize("rule,draft", [("exact", "model"), ("assisted", "model"), ("exact", "prompt_lookup"),
-                                        ("exact", "ngram"), ("exact", None), ("exact", "ngram_tree"),
-                                        ("assisted", "ngram_tree")])
+                                        ("exact", "ngram"), ("exact", None), ("exact", "tree"), ("assisted", "tree")])
 def test_sampling_matches_target_distribution(sharp_trio, rule, draft):
     target, qualifier, draft_model = sharp_trio
-    branches = 3 if draft == "ngram_tree" else 1
-    draft = _ngram_draft() if draft in ("ngram", "ngram_tree") else draft
+    branches = 4 if draft == "tree" else 1
+    draft = _ngram_draft() if draft == "ngram" else (_BranchingDraft() if draft == "tree" else draft)
     assistant = PyramidAssistant(qualifier, draft_model if draft == "model" else draft,
                                  PyramidConfig(draft_tokens=2, qualifier_tokens=2, qualifier_rule=rule,
                                                draft_branches=branches))
     pvals = _pvalues(_samples(target, assistant), _target_joint(target))
     assert min(pvals) > 1e-3, pvals
     assert assistant.total_stats.qualifier_accepted > 0 and assistant.total_stats.target_calls > SAMPLES
-    if branches > 1:  # the draft trees were really walked, and not only along their first branch
-        assert assistant.total_stats.tree_rounds > SAMPLES // 2 and assistant.total_stats.tree_other_branch_won > 0
+    if isinstance(draft, _BranchingDraft):  # the draft trees were really walked, and not only along their first branch
+        assert assistant.total_stats.tree_rounds > SAMPLES and assistant.total_stats.tree_other_branch_won > 0
 
 
 def test_planted_residual_bug_is_caught(sharp_trio, monkeypatch):
@@ -105,5 +128,22 @@ def test_planted_residual_bug_is_caught(sharp_trio, monkeypatch):
 
     monkeypatch.setitem(acceptance.RULES, "exact", buggy_exact)
     assistant = PyramidAssistant(qualifier, draft_model, PyramidConfig(draft_tokens=2, qualifier_tokens=2))
+    pvals = _pvalues(_samples(target, assistant), _target_joint(target))
+    assert min(pvals) < 1e-3, pvals
+
+
+def test_planted_tree_bug_is_caught(sharp_trio, monkeypatch):
+    """Descend into the first child the verifier gives any probability: the same check must fail."""
+    target, qualifier, _ = sharp_trio
+
+    def greedy_children(child_ids, verifier_probs, *, tau=0.0, divergence="js"):
+        for j, token in enumerate(child_ids.tolist()):
+            if verifier_probs[token] > 0:
+                return j, child_ids[j]
+        return None, acceptance._sample(verifier_probs)
+
+    monkeypatch.setitem(acceptance.CHILD_RULES, "exact", greedy_children)
+    assistant = PyramidAssistant(qualifier, _BranchingDraft(),
+                                 PyramidConfig(draft_tokens=2, qualifier_tokens=2, draft_branches=4))
     pvals = _pvalues(_samples(target, assistant), _target_joint(target))
     assert min(pvals) < 1e-3, pvals

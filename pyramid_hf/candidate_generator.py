@@ -188,7 +188,7 @@ class PyramidCandidateGenerator(CandidateGenerator):
         if budget <= 0:
             return input_ids, None
         block_ids, block_probs = [], []
-        seq, size = input_ids, 0
+        seq, size, confidence = input_ids, 0, 1.0
         while size < budget:
             k = min(self.draft_tokens, budget - size)
             new_ids, new_probs = self._inner_round(seq, k)
@@ -198,6 +198,10 @@ class PyramidCandidateGenerator(CandidateGenerator):
             size += new_ids.shape[0]
             if self.eos_token_ids and any(int(t) in self.eos_token_ids for t in new_ids):
                 break
+            if self.config.block_confidence:  # the qualifier's own estimate that the target keeps the whole block
+                confidence *= float(new_probs.gather(1, new_ids.view(-1, 1).to(new_probs.device)).prod())
+                if confidence < self.config.block_confidence:
+                    break
         ids = torch.cat(block_ids)[:budget]
         probs = torch.cat(block_probs)[:budget]
         eos_at = [i for i, t in enumerate(ids.tolist()) if t in self.eos_token_ids]

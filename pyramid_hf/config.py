@@ -33,6 +33,14 @@ class PyramidConfig:
             "(the n-gram draft) only; others propose one draft, as with 1."
         },
     )
+    block_confidence: float = field(
+        default=0.0,
+        metadata={
+            "help": "Adaptive l_Q: send the block to the target as soon as the product of the qualifier's probabilities "
+            "of its own block tokens (its estimate that the target keeps them all) falls below this; l_Q stays the "
+            "cap. 0 keeps blocks at l_Q. Lossless either way: the length depends only on the qualifier's own output."
+        },
+    )
     qualifier_rule: str = field(
         default="exact",
         metadata={"help": "Inner-stage rule: 'exact' (lossless), 'assisted' (strict match, PSD_A) or 'fuzzy' (PSD_F)."},
@@ -62,6 +70,9 @@ class PyramidConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.block_confidence, bool) or not isinstance(self.block_confidence, (int, float)) \
+                or not 0.0 <= self.block_confidence < 1.0:
+            raise ValueError(f"block_confidence must be a number in [0, 1), got {self.block_confidence!r}")
         if self.qualifier_rule not in RULES:
             raise ValueError(f"qualifier_rule must be one of {sorted(RULES)}, got {self.qualifier_rule!r}")
         if self.target_rule not in TARGET_RULES:

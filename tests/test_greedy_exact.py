@@ -150,3 +150,25 @@ def test_total_stats_accumulate_and_reset(llama_trio):
     assert assistant.total_stats.generate_calls == 2
     assistant.reset_stats()
     assert assistant.total_stats.new_tokens == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("draft_kind", ["model", None])
+@pytest.mark.parametrize("confidence", [0.2, 0.6, 0.95])
+def test_adaptive_blocks_stay_exact_and_cut_blocks(arch, draft_kind, confidence, llama_trio, qwen_trio):
+    target, qualifier, draft = llama_trio if arch == "llama" else qwen_trio
+    draft = draft if draft_kind == "model" else None
+    ids = _prompt(11, 5)
+    sizes = {}
+    for threshold in (0.0, confidence):
+        assistant = PyramidAssistant(qualifier, draft, PyramidConfig(draft_tokens=2, qualifier_tokens=12,
+                                                                     block_confidence=threshold))
+        _check(target, assistant, ids, max_new_tokens=40)
+        sizes[threshold] = assistant.stats.qualifier_proposed / assistant.stats.target_calls
+    assert sizes[confidence] < sizes[0.0]  # blocks were cut before l_Q
+
+
+def test_block_confidence_is_validated():
+    for bad in (1.0, -0.1, True, "0.5"):
+        with pytest.raises(ValueError, match="block_confidence"):
+            PyramidConfig(block_confidence=bad)

@@ -100,14 +100,17 @@ def _ngram_draft():
 
 
 @pytest.mark.parametrize("rule,draft", [("exact", "model"), ("assisted", "model"), ("exact", "prompt_lookup"),
-                                        ("exact", "ngram"), ("exact", None), ("exact", "tree"), ("assisted", "tree")])
+                                        ("exact", "ngram"), ("exact", None), ("exact", "tree"), ("assisted", "tree"),
+                                        ("exact", "model_adaptive")])
 def test_sampling_matches_target_distribution(sharp_trio, rule, draft):
     target, qualifier, draft_model = sharp_trio
     branches = 4 if draft == "tree" else 1
+    # adaptive blocks: up to 6 qualifier tokens, cut where the qualifier's own confidence falls below 0.5
+    blocks = dict(qualifier_tokens=6, block_confidence=0.5) if draft == "model_adaptive" else dict(qualifier_tokens=2)
+    draft = "model" if draft == "model_adaptive" else draft
     draft = _ngram_draft() if draft == "ngram" else (_BranchingDraft() if draft == "tree" else draft)
     assistant = PyramidAssistant(qualifier, draft_model if draft == "model" else draft,
-                                 PyramidConfig(draft_tokens=2, qualifier_tokens=2, qualifier_rule=rule,
-                                               draft_branches=branches))
+                                 PyramidConfig(draft_tokens=2, qualifier_rule=rule, draft_branches=branches, **blocks))
     pvals = _pvalues(_samples(target, assistant), _target_joint(target))
     assert min(pvals) > 1e-3, pvals
     assert assistant.total_stats.qualifier_accepted > 0 and assistant.total_stats.target_calls > SAMPLES

@@ -23,15 +23,50 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     return values
 
 
-def _pairs(text: str, name: str, cast, sizes=(2,)) -> tuple[tuple, ...]:
-    shape = "a:b,c:d" + (" (or a:b:c,...)" if 3 in sizes else "")
+def _sd_settings(text: str) -> tuple:
+    """k or k:confidence items: a draft length, optionally with Transformers' assistant_confidence_threshold."""
+    settings = []
+    for item in (i for i in text.split(",") if i.strip()):
+        k, _, confidence = item.partition(":")
+        try:
+            setting = (int(k), float(confidence or 0.0))
+        except ValueError:
+            setting = (0, 0.0)
+        if setting[0] < 1 or not 0.0 <= setting[1] < 1.0:
+            raise ValueError(f"--sd_tokens items must look like 4 or 8:0.4 (length >= 1, confidence in [0, 1)), "
+                             f"got {item!r}")
+        settings.append(setting if setting[1] else setting[0])
+    if not settings:
+        raise ValueError("--sd_tokens is empty")
+    return tuple(settings)
+
+
+def _pairs(text: str, name: str, cast) -> tuple[tuple, ...]:
     try:
         pairs = tuple(tuple(cast(v) for v in item.split(":")) for item in text.split(",") if item.strip())
     except ValueError:
-        raise ValueError(f"--{name} must look like {shape}, got {text!r}") from None
-    if not pairs or any(len(p) not in sizes for p in pairs):
-        raise ValueError(f"--{name} must look like {shape}, got {text!r}")
+        raise ValueError(f"--{name} must look like a:b,c:d, got {text!r}") from None
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise ValueError(f"--{name} must look like a:b,c:d, got {text!r}")
     return pairs
+
+
+def _psd_settings(text: str) -> tuple[tuple, ...]:
+    """l_D:l_Q[:branches[:block_confidence]] items, comma-separated."""
+    settings = []
+    for item in (i for i in text.split(",") if i.strip()):
+        fields = item.split(":")
+        try:
+            setting = tuple(int(v) for v in fields[:3]) + tuple(float(v) for v in fields[3:])
+        except ValueError:
+            setting = ()
+        if not 2 <= len(setting) <= 4 or len(fields) > 4:
+            raise ValueError(f"--psd_grid items must look like l_D:l_Q, l_D:l_Q:branches or "
+                             f"l_D:l_Q:branches:block_confidence, got {item!r}")
+        settings.append(setting)
+    if not settings:
+        raise ValueError("--psd_grid is empty")
+    return tuple(settings)
 
 
 @dataclass
@@ -57,10 +92,13 @@ class BenchArgs:
     top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off (with --do_sample)"})
     seed: int = field(default=0, metadata={"help": "seed (per prompt: seed + task index)"})
     stop_strings: bool = field(default=True, metadata={"help": "stop at HumanEval's end-of-function markers"})
-    sd_tokens: str = field(default="3,5,8", metadata={"help": "draft lengths swept for two-model SD"})
+    sd_tokens: str = field(default="3,5,8,8:0.4", metadata={
+        "help": "draft lengths swept for two-model SD; k:c also cuts a draft at a token the assistant gives "
+                "probability < c (Transformers' assistant_confidence_threshold)"})
     lookup_tokens: str = field(default="4,10", metadata={"help": "draft lengths swept for prompt lookup"})
     psd_grid: str | None = field(default=None, metadata={
-        "help": "l_D:l_Q pairs swept for psd and psd_a, or l_D:l_Q:branches with draft trees (default: preset's)"})
+        "help": "settings swept for psd and psd_a: l_D:l_Q, or l_D:l_Q:branches (draft trees), or "
+                "l_D:l_Q:branches:block_confidence (adaptive l_Q); default: the preset's"})
     tau_grid: str = field(default="0.1:0.05,0.2:0.1,0.3:0.2", metadata={"help": "tau_T:tau_Q pairs for psd_f"})
     check_timeout_s: float = field(default=10.0, metadata={"help": "time limit of each unit-test run"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
@@ -75,9 +113,9 @@ class BenchArgs:
             raise ValueError(f"unknown dataset {self.dataset!r}; available: humaneval")
         if self.max_new_tokens < 1 or self.tune_limit < 0 or (self.limit is not None and self.limit < 1):
             raise ValueError("--max_new_tokens and --limit must be positive, --tune_limit non-negative")
-        self.sd_token_grid = _ints(self.sd_tokens, "sd_tokens")
+        self.sd_token_grid = _sd_settings(self.sd_tokens)
         self.lookup_token_grid = _ints(self.lookup_tokens, "lookup_tokens")
-        self.psd_pairs = _pairs(self.psd_grid, "psd_grid", int, sizes=(2, 3)) if self.psd_grid else None
+        self.psd_pairs = _psd_settings(self.psd_grid) if self.psd_grid else None
         self.tau_pairs = _pairs(self.tau_grid, "tau_grid", float)
 
     @property

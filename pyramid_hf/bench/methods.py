@@ -60,7 +60,8 @@ class Method:
     def pyramid_config(self) -> PyramidConfig:
         knobs = self.knob_dict
         common = dict(draft_tokens=knobs.get("draft_tokens", 4), qualifier_tokens=knobs.get("qualifier_tokens", 8),
-                      draft_branches=knobs.get("draft_branches", 1), divergence=knobs.get("divergence", "js"))
+                      draft_branches=knobs.get("draft_branches", 1), block_confidence=knobs.get("block_confidence", 0.0),
+                      divergence=knobs.get("divergence", "js"))
         if self.method == "psd":
             return PyramidConfig(**common)
         tau_target = float(knobs.get("tau_target", 0.0))
@@ -82,7 +83,7 @@ def method_kwargs(method: Method, trio: Trio, assistants: dict) -> dict:
         if method.method == "sd_draft" and not trio.has_model_draft:
             raise ValueError("sd_draft needs a preset whose draft is a model")
         assistant = trio.qualifier if method.method == "sd_qualifier" else trio.draft
-        _set_assistant_schedule(assistant, knobs["num_tokens"])
+        _set_assistant_schedule(assistant, knobs["num_tokens"], knobs.get("confidence", 0.0))
         return {"assistant_model": assistant}
     if method not in assistants:
         draft = trio.draft if trio.draft is not None else None
@@ -92,7 +93,7 @@ def method_kwargs(method: Method, trio: Trio, assistants: dict) -> dict:
     return {"assistant_model": assistants[method]}
 
 
-def _set_assistant_schedule(assistant, num_tokens) -> None:
+def _set_assistant_schedule(assistant, num_tokens, confidence: float = 0.0) -> None:
     """Transformers reads the draft length from the ASSISTANT's generation config."""
     gen = assistant.generation_config
     if num_tokens == "heuristic":  # Transformers' own default: adaptive length and a confidence cut-off
@@ -100,33 +101,42 @@ def _set_assistant_schedule(assistant, num_tokens) -> None:
         gen.assistant_confidence_threshold = 0.4
     else:
         gen.num_assistant_tokens, gen.num_assistant_tokens_schedule = int(num_tokens), "constant"
-        gen.assistant_confidence_threshold = 0.0
+        gen.assistant_confidence_threshold = float(confidence)  # 0: never cut a draft early
+
+
+def _sd_method(method: str, setting) -> Method:
+    """setting: a draft length, or (length, confidence threshold)."""
+    if isinstance(setting, tuple):
+        return Method.make(method, num_tokens=setting[0], confidence=setting[1])
+    return Method.make(method, num_tokens=setting)
 
 
 def default_grid(trio: Trio, knobs: dict, sd_tokens=(3, 5, 8), lookup_tokens=(4, 10), psd_grid=None,
                  tau_grid=((0.1, 0.05), (0.2, 0.1), (0.3, 0.2))) -> dict[str, list[Method]]:
     """Candidate settings per method family; the bench keeps each family's best on the tuning prompts.
 
-    ``knobs`` are the preset's tuned PyramidConfig values (draft_tokens, qualifier_tokens, draft_branches, taus).
+    ``knobs`` are the preset's tuned PyramidConfig values (draft_tokens, qualifier_tokens, draft_branches, block_confidence, taus).
     ``tau_grid`` holds (tau_target, tau_qualifier) pairs for psd_f (tau_qualifier <= tau_target works best).
     """
-    l_d, l_q, branches = knobs.get("draft_tokens", 4), knobs.get("qualifier_tokens", 8), knobs.get("draft_branches", 1)
+    l_d, l_q = knobs.get("draft_tokens", 4), knobs.get("qualifier_tokens", 8)
+    defaults = (knobs.get("draft_branches", 1), knobs.get("block_confidence", 0.0))
 
-    def pyramid_knobs(setting) -> dict:  # (l_D, l_Q) or (l_D, l_Q, draft branches); 1 branch stays unnamed
-        d, q, b = (*setting, branches) if len(setting) == 2 else setting
-        return {"draft_tokens": d, "qualifier_tokens": q} | ({"draft_branches": b} if b != 1 else {})
+    def pyramid_knobs(setting) -> dict:  # (l_D, l_Q[, draft branches[, block confidence]]); defaults stay unnamed
+        d, q, b, c = (*setting, *defaults[len(setting) - 2 :])
+        return {"draft_tokens": d, "qualifier_tokens": q} | ({"draft_branches": b} if b != 1 else {}) \
+            | ({"block_confidence": c} if c else {})
 
     psd_grid = psd_grid or [(l_d, l_q)]
     grid = {
         "ar": [Method.make("ar")],
-        "sd_qualifier": [Method.make("sd_qualifier", num_tokens=k) for k in sd_tokens]
+        "sd_qualifier": [_sd_method("sd_qualifier", k) for k in sd_tokens]
         + [Method.make("sd_qualifier", num_tokens="heuristic")],
         "sd_lookup": [Method.make("sd_lookup", num_tokens=k) for k in lookup_tokens],
         "psd": [Method.make("psd", **pyramid_knobs(s)) for s in psd_grid],
         "psd_a": [Method.make("psd_a", **pyramid_knobs(s)) for s in psd_grid],
     }
     if trio.has_model_draft:
-        grid["sd_draft"] = [Method.make("sd_draft", num_tokens=k) for k in sd_tokens]
+        grid["sd_draft"] = [_sd_method("sd_draft", k) for k in sd_tokens]
     # psd_f is not tuned away: each tau is its own point on the speed/quality curve
     grid["psd_f"] = [Method.make("psd_f", **pyramid_knobs((l_d, l_q)), tau_target=t, tau_qualifier=q)
                      for t, q in tau_grid]

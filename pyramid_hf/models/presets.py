@@ -79,8 +79,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("qwen-coder-cpu", "embedded default, works offline: Qwen2.5-Coder 1.5B target, 0.5B qualifier, "
            "n-gram draft (prompt lookup + a standard-library table)", _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
            _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"), NGRAM,
-           # l_D / l_Q tuned on HumanEval dev tasks 0-1; draft trees of up to 4 branches: 6.88 -> 7.15 tok/s there
-           {"draft_tokens": 3, "qualifier_tokens": 4, "draft_branches": 4},
+           # tuned on HumanEval dev tasks: l_D=3 / l_Q=4 (tasks 0-1), then draft trees of up to 4 branches (6.88 ->
+           # 7.15 tok/s there) and adaptive blocks: up to 12 tokens, cut when the qualifier's confidence < 0.5 (tasks
+           # 0-7: 6.90 -> 9.12 tok/s; runs/bench-stop-dev*)
+           {"draft_tokens": 3, "qualifier_tokens": 12, "draft_branches": 4, "block_confidence": 0.5},
            qualifier_vocab_size=32768),  # 100 -> 80 ms per 0.5B forward on this CPU, lossless
     Preset("qwen-coder-cpu-distilled", "qwen-coder-cpu with the distilled derived draft (built by a recipe)",
            _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"), _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),

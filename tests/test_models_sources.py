@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
+from pyramid_hf import PyramidConfig
 from pyramid_hf.models import loading, offline, presets
 from pyramid_hf.models.offline import OfflineSource, OfflineSourceError, assemble_gguf
 
@@ -166,11 +167,13 @@ def test_presets_name_hub_ids_and_the_default_is_offline():
     assert default.target.hub_id == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
     assert default.target.offline == "qwen2.5-coder-1.5b-instruct"
     assert default.qualifier.offline == "qwen2.5-coder-0.5b-instruct"
-    assert default.draft == "ngram" and default.knobs == {"draft_tokens": 3, "qualifier_tokens": 4}
+    assert default.draft == "ngram" and default.knobs["draft_tokens"] >= 1
     assert default.qualifier_vocab_size == 32768
     for name in ("llama-3", "smollm2", "qwen2.5"):
         preset = presets.get_preset(name)
         assert all("/" in spec.hub_id for spec in (preset.target, preset.qualifier, preset.draft))
+    for preset in presets.PRESETS.values():  # tuned knobs are real PyramidConfig fields with valid values
+        PyramidConfig(**preset.knobs)
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         presets.get_preset("nope")
     table = presets.list_presets_table()

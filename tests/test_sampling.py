@@ -107,9 +107,10 @@ def test_sampling_matches_target_distribution(sharp_trio, rule, draft):
     branches = 4 if draft == "tree" else 1
     # adaptive blocks: up to 6 qualifier tokens, cut where the qualifier's own confidence falls below 0.5
     blocks = dict(qualifier_tokens=6, block_confidence=0.5) if draft == "model_adaptive" else dict(qualifier_tokens=2)
-    draft = "model" if draft == "model_adaptive" else draft
-    draft = _ngram_draft() if draft == "ngram" else (_BranchingDraft() if draft == "tree" else draft)
-    assistant = PyramidAssistant(qualifier, draft_model if draft == "model" else draft,
+    makers = {"model": lambda: draft_model, "model_adaptive": lambda: draft_model, "ngram": _ngram_draft,
+              "tree": _BranchingDraft}
+    draft = makers[draft]() if draft in makers else draft  # "prompt_lookup" and None are drafts as they are
+    assistant = PyramidAssistant(qualifier, draft,
                                  PyramidConfig(draft_tokens=2, qualifier_rule=rule, draft_branches=branches, **blocks))
     pvals = _pvalues(_samples(target, assistant), _target_joint(target))
     assert min(pvals) > 1e-3, pvals

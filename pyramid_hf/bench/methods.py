@@ -60,8 +60,8 @@ class Method:
     def pyramid_config(self) -> PyramidConfig:
         knobs = self.knob_dict
         common = dict(draft_tokens=knobs.get("draft_tokens", 4), qualifier_tokens=knobs.get("qualifier_tokens", 8),
-                      draft_branches=knobs.get("draft_branches", 1), block_confidence=knobs.get("block_confidence", 0.0),
-                      divergence=knobs.get("divergence", "js"))
+                      draft_branches=knobs.get("draft_branches", 1),
+                      block_confidence=knobs.get("block_confidence", 0.0), divergence=knobs.get("divergence", "js"))
         if self.method == "psd":
             return PyramidConfig(**common)
         tau_target = float(knobs.get("tau_target", 0.0))
@@ -115,7 +115,8 @@ def default_grid(trio: Trio, knobs: dict, sd_tokens=(3, 5, 8), lookup_tokens=(4,
                  tau_grid=((0.1, 0.05), (0.2, 0.1), (0.3, 0.2))) -> dict[str, list[Method]]:
     """Candidate settings per method family; the bench keeps each family's best on the tuning prompts.
 
-    ``knobs`` are the preset's tuned PyramidConfig values (draft_tokens, qualifier_tokens, draft_branches, block_confidence, taus).
+    ``knobs`` are the preset's tuned PyramidConfig values (draft_tokens, qualifier_tokens, draft_branches,
+    block_confidence, taus).
     ``tau_grid`` holds (tau_target, tau_qualifier) pairs for psd_f (tau_qualifier <= tau_target works best).
     """
     l_d, l_q = knobs.get("draft_tokens", 4), knobs.get("qualifier_tokens", 8)

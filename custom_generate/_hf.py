@@ -1,0 +1,1 @@
+../pyramid_hf/_hf.py

@@ -88,3 +88,12 @@ def test_bad_input(published, kwargs, match):
         kwargs["qualifier_model"] = tiny_model(vocab=VOCAB - 10)
     with pytest.raises(ValueError, match=match):
         target.generate(_prompt(0), max_new_tokens=2, custom_generate=published, trust_remote_code=True, **kwargs)
+
+
+def test_folder_holds_every_module_it_imports():
+    """Transformers resolves the folder's relative imports statically: a module missing here breaks Hub users."""
+    import re
+    folder = ROOT / "custom_generate"
+    for module in folder.glob("*.py"):
+        for name in re.findall(r"^\s*from \.(\w+) import", module.read_text(), flags=re.M):
+            assert (folder / f"{name}.py").exists(), f"custom_generate/{module.name} imports .{name}: link it"

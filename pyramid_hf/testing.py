@@ -60,3 +60,16 @@ def tiny_trio(arch: str = "llama", seed: int = 0, **kw):
     """(target, qualifier, draft): hidden 64/32/16, layers 3/2/2, one shared vocabulary."""
     return (tiny_model(arch, 64, 3, seed, **kw), tiny_model(arch, 32, 2, seed + 1, **kw),
             tiny_model(arch, 16, 2, seed + 2, **kw))
+
+
+def save_tiny_folders(root, **models) -> dict:
+    """Save each model with the tiny tokenizer as ``root/<name>`` (a local model folder); returns name -> path str."""
+    from pathlib import Path
+
+    folders = {}
+    for name, model in models.items():
+        folder = Path(root) / name
+        model.save_pretrained(folder)
+        tiny_tokenizer().save_pretrained(folder)
+        folders[name] = str(folder)
+    return folders

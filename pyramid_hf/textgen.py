@@ -24,6 +24,9 @@ class GenerateArgs:
     qualifier_vocab_size: int | None = field(default=None, metadata={
         "help": "LM head of the qualifier over this many most frequent tokens (lossless, cheaper); 0 = full head; "
                 "default: the preset's"})
+    qualifier_quantization: str | None = field(default=None, metadata={
+        "help": "none, or int8: int8 weights for the qualifier's calls of <= 4 tokens (CPU; lossless, the target "
+                "verifies); default: the preset's"})
     method: str = field(default="psd", metadata={"help": "ar (target alone), sd (qualifier drafts), psd (pyramid)"})
     sd_tokens: int = field(default=5, metadata={"help": "draft length for --method sd"})
     chat: bool = field(default=False, metadata={"help": "wrap the prompt in the tokenizer's chat template"})
@@ -37,6 +40,8 @@ class GenerateArgs:
     json_stats: bool = field(default=False, metadata={"help": "also print the stats as one JSON line"})
 
     def __post_init__(self):
+        if self.qualifier_quantization not in (None, "none", "int8"):
+            raise ValueError(f"--qualifier_quantization must be none or int8, got {self.qualifier_quantization!r}")
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
         if self.max_new_tokens < 1 or self.sd_tokens < 1:
@@ -63,6 +68,7 @@ def run_generate(args: GenerateArgs, config: PyramidConfig, explicit_knobs: set,
     preset = get_preset(args.preset) if args.preset else None
     trio = load_trio(preset, target=args.target, qualifier=args.qualifier, draft=args.draft, dtype=args.dtype,
                      qualifier_vocab_size=args.qualifier_vocab_size,
+                     qualifier_quantization=args.qualifier_quantization,
                      need_draft=args.method == "psd")
     config = _config_from_preset(config, explicit_knobs, preset)
     tok = trio.tokenizer

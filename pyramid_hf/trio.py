@@ -45,7 +45,7 @@ def _source_of(spec) -> str:
 
 def load_trio(preset=None, *, target: str | None = None, qualifier: str | None = None, draft: str | None = None,
               dtype="bfloat16", device_map=None, need_draft: bool = True,
-              qualifier_vocab_size: int | None = None) -> Trio:
+              qualifier_vocab_size: int | None = None, qualifier_quantization: str | None = None) -> Trio:
     """Load the target, qualifier and draft named by ``preset`` (a `Preset`), each overridable by a source string.
 
     ``draft`` may also be ``"prompt_lookup"`` (free n-gram drafting over the text so far), ``"ngram"`` (that plus
@@ -53,7 +53,8 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
     loading a model draft (e.g. for methods that never use it). ``qualifier_vocab_size`` (default: the preset's;
     0 = the full head) gives the qualifier an LM head over that many tokens, the most frequent in the standard
     library's code (`pyramid_hf.vocab_head.reduce_loaded_vocab`): cheaper per token and still lossless, since
-    the target verifies a proper distribution.
+    the target verifies a proper distribution. ``qualifier_quantization`` (default: the preset's; ``"none"`` or
+    ``"int8"``) gives the qualifier int8 weights for its narrow calls (`pyramid_hf.quantize`; CPU only, lossless).
     """
     from .models import load_model
 
@@ -78,6 +79,7 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
         qualifier_vocab_size = getattr(preset, "qualifier_vocab_size", None) or 0
     if qualifier_vocab_size:
         _reduce_qualifier(loaded["qualifier"], tokenizer, qualifier_vocab_size)
+    _quantize_qualifier(loaded["qualifier"], qualifier_quantization or getattr(preset, "qualifier_quantization", "none"))
     if "draft" in loaded:
         draft_obj = loaded["draft"].model
     elif draft_source == NGRAM:
@@ -102,6 +104,15 @@ def _reduce_qualifier(qualifier, tokenizer, size: int) -> None:
     facts = reduce_loaded_vocab(qualifier.model, tokenizer, size, cache_root())
     qualifier.origin += f" (LM head over {facts['size']} tokens, {facts['coverage']:.2%} of standard-library code)"
     logger.info("qualifier: LM head over the %d most frequent tokens (kept ids: %s)", facts["size"], facts["sidecar"])
+
+
+def _quantize_qualifier(qualifier, mode: str) -> None:
+    from .quantize import DEFAULT_MAX_INT8_ROWS, quantize_model
+
+    changed = quantize_model(qualifier.model, mode)
+    if changed:
+        qualifier.origin += f" (int8 weights for calls of <= {DEFAULT_MAX_INT8_ROWS} tokens in {changed} layers)"
+        logger.info("qualifier: int8 weights for calls of <= %d tokens (%d layers)", DEFAULT_MAX_INT8_ROWS, changed)
 
 
 def ngram_draft(tokenizer, target):

@@ -83,13 +83,25 @@ class ReducedVocabHead(nn.Module):
         self.kept_weight = nn.Parameter(weight.detach()[self.kept_ids].clone(), requires_grad=weight.requires_grad)
         bias = getattr(full_head, "bias", None)
         self.kept_bias = None if bias is None else nn.Parameter(bias.detach()[self.kept_ids].clone())
+        self.kept_linear = None  # set by `quantize`
+
+    def quantize(self, max_int8_rows: int) -> None:
+        """Int8 kept rows for narrow calls (`pyramid_hf.quantize.Int8Linear`); the float rows serve wider ones."""
+        from .quantize import Int8Linear
+
+        linear = nn.Linear(*self.kept_weight.shape[::-1], bias=self.kept_bias is not None, device="meta")
+        linear.weight, linear.bias = self.kept_weight, self.kept_bias
+        self.kept_linear = Int8Linear(linear, max_int8_rows)
 
     @property
     def weight(self) -> torch.Tensor:  # what code asking for an LM head's weight (dtype, device) expects
         return self.kept_weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        kept_logits = nn.functional.linear(hidden_states, self.kept_weight, self.kept_bias)
+        if self.kept_linear is not None:
+            kept_logits = self.kept_linear(hidden_states)
+        else:
+            kept_logits = nn.functional.linear(hidden_states, self.kept_weight, self.kept_bias)
         logits = kept_logits.new_full((*kept_logits.shape[:-1], self.full_vocab_size), float("-inf"))
         return logits.index_copy_(-1, self.kept_ids, kept_logits)
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from test_sampling import SAMPLES, _pvalues, _samples, _target_joint, sharp_trio  # noqa: F401 (fixture)
-from tiny import VOCAB, tiny_model, tiny_tokenizer, tiny_trio
+from tiny import VOCAB, save_tiny_folders, tiny_model, tiny_tokenizer, tiny_trio
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -151,9 +151,7 @@ def test_load_trio_gives_the_qualifier_a_reduced_head_and_an_ngram_draft(tmp_pat
 
     monkeypatch.setenv("PYRAMID_HF_CACHE", str(tmp_path / "cache"))
     target, qualifier, _ = tiny_trio("qwen2", seed=6)
-    for name, model in (("target", target), ("qualifier", qualifier)):
-        model.save_pretrained(tmp_path / name)
-        tiny_tokenizer().save_pretrained(tmp_path / name)
+    save_tiny_folders(tmp_path, target=target, qualifier=qualifier)
     trio = load_trio(None, target=str(tmp_path / "target"), qualifier=str(tmp_path / "qualifier"), draft="ngram",
                      dtype="float32", qualifier_vocab_size=24)
     head = trio.qualifier.get_output_embeddings()

@@ -79,6 +79,9 @@ class BenchArgs:
     qualifier_vocab_size: int | None = field(default=None, metadata={
         "help": "LM head of the qualifier over this many most frequent tokens (lossless, cheaper); 0 = full head; "
                 "default: the preset's"})
+    qualifier_quantization: str | None = field(default=None, metadata={
+        "help": "none, or int8: int8 weights for the qualifier's calls of <= 4 tokens (CPU; lossless, the target "
+                "verifies); default: the preset's"})
     dataset: str = field(default="humaneval", metadata={"help": "prompt set (humaneval)"})
     split: str = field(default="test", metadata={"help": "humaneval tasks to report on: dev (0-81), test (82-163), all"})
     limit: int | None = field(default=10, metadata={"help": "first N prompts of the split"})
@@ -104,6 +107,8 @@ class BenchArgs:
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
 
     def __post_init__(self):
+        if self.qualifier_quantization not in (None, "none", "int8"):
+            raise ValueError(f"--qualifier_quantization must be none or int8, got {self.qualifier_quantization!r}")
         unknown = sorted(set(self.method_list) - set(ALL_METHODS))
         if unknown:
             raise ValueError(f"unknown methods {unknown}; choose from {list(ALL_METHODS)}")
@@ -171,7 +176,8 @@ def run_bench(args: BenchArgs, command: str | None = None) -> dict[str, Path]:
     preset = get_preset(args.preset) if args.preset else None
     need_draft = bool({"psd", "psd_a", "psd_f", "sd_draft"} & set(args.method_list))
     trio = load_trio(preset, target=args.target, qualifier=args.qualifier, draft=args.draft,
-                     dtype=args.dtype, qualifier_vocab_size=args.qualifier_vocab_size, need_draft=need_draft)
+                     dtype=args.dtype, qualifier_vocab_size=args.qualifier_vocab_size,
+                     qualifier_quantization=args.qualifier_quantization, need_draft=need_draft)
     test_tasks = load_tasks(args.split, args.limit)
     dev_tasks = load_tasks("dev", args.tune_limit) if args.tune_limit else []
     if args.split != "test" and dev_tasks:

@@ -1,0 +1,120 @@
+"""Int8 weights for the qualifier and draft: close to the float layers, and the pyramid stays exactly lossless."""
+
+import pytest
+import torch
+from test_sampling import _pvalues, _samples, _target_joint, sharp_trio  # noqa: F401 (fixture)
+from tiny import VOCAB, save_tiny_folders, tiny_model, tiny_trio
+from torch import nn
+
+from pyramid_hf import PyramidAssistant, PyramidConfig
+from pyramid_hf.bench.main import BenchArgs
+from pyramid_hf.quantize import Int8Linear, int8_weight_only_matmul, quantize_model, quantize_rows
+from pyramid_hf.textgen import GenerateArgs
+from pyramid_hf.vocab_head import ReducedVocabHead, apply_reduced_vocab
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_private_int8_kernel_still_computes_x_times_the_dequantized_weight(dtype):
+    """Guard for ``torch._weight_int8pack_mm``: fails loudly if torch drops it or changes what it computes."""
+    assert callable(getattr(torch, "_weight_int8pack_mm", None)), "torch._weight_int8pack_mm is gone"
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=g).to(dtype)
+    x = torch.randn(3, 64, generator=g).to(dtype)
+    weight_int8, scales = quantize_rows(weight)
+    assert weight_int8.dtype == torch.int8 and scales.shape == (48,) and scales.dtype == dtype
+    expected = x.float() @ (weight_int8.float() * scales.float()[:, None]).T
+    got = int8_weight_only_matmul(x, weight_int8, scales)
+    assert got.shape == (3, 48) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_is_close_when_narrow_and_the_float_layer_when_wide(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 40, bias=bias)
+    layer = Int8Linear(linear, max_int8_rows=2)
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    with torch.no_grad():
+        narrow = torch.randn(1, 2, 64)
+        got, want = layer(narrow), linear(narrow)
+        assert got.shape == want.shape and not torch.equal(got, want)  # int8 really ran
+        assert (got - want).abs().max() < 0.02 * want.abs().max()
+        wide = torch.randn(1, 3, 64)
+        assert torch.equal(layer(wide), linear(wide))
+    assert torch.equal(layer(narrow), linear(narrow))  # with gradients on: the float weights, differentiable
+
+
+def test_quantize_model_counts_layers_and_refuses_bad_input():
+    model = tiny_model("llama", 32, 2, seed=1)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert quantize_model(tiny_model("llama", 32, 2, seed=1), "none") == 0
+    assert quantize_model(model, "int8") == linears
+    assert not any(type(m) is nn.Linear and not isinstance(p, Int8Linear)
+                   for p in model.modules() for m in p.children())
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(model, "int8")
+    with pytest.raises(ValueError, match="unknown quantization 'int4'; choose from none, int8"):
+        quantize_model(tiny_model("llama", 32, 2), "int4")
+    with pytest.raises(ValueError, match="max_int8_rows must be a positive integer"):
+        quantize_model(tiny_model("llama", 32, 2), "int8", max_int8_rows=0)
+    with pytest.raises(ValueError, match="needs bfloat16 or float32 weights"):
+        quantize_model(tiny_model("llama", 32, 2).half(), "int8")
+    with pytest.raises(ValueError, match="--qualifier_quantization must be none or int8, got 'int4'"):
+        GenerateArgs(prompt="x", qualifier_quantization="int4")
+    with pytest.raises(ValueError, match="--qualifier_quantization must be none or int8"):
+        BenchArgs(out="x", qualifier_quantization="fp8")
+
+
+def _ids(seed, n=6):
+    return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("draft_kind", ["model", "ngram_lookup"])
+@pytest.mark.parametrize("seed,max_new,l_d,l_q", [(0, 1, 1, 1), (1, 21, 3, 5), (2, 40, 4, 8)])
+def test_pyramid_with_int8_levels_matches_target_greedy(arch, draft_kind, seed, max_new, l_d, l_q):
+    """Every qualifier and draft call runs on int8 weights (max_int8_rows above any call's width)."""
+    target, qualifier, draft = tiny_trio(arch, seed=40 + seed, init=0.5)
+    if seed == 2:
+        apply_reduced_vocab(qualifier, torch.arange(0, VOCAB, 2))  # and a quantized reduced head
+    float_logits = qualifier(_ids(seed)).logits
+    assert quantize_model(qualifier, "int8", max_int8_rows=64) > 0
+    quantize_model(draft, "int8", max_int8_rows=64)
+    with torch.no_grad():
+        assert not torch.equal(qualifier(_ids(seed)).logits, float_logits)
+    draft = draft if draft_kind == "model" else "prompt_lookup"
+    expected = target.generate(_ids(seed), do_sample=False, max_new_tokens=max_new)
+    assistant = PyramidAssistant(qualifier, draft, PyramidConfig(draft_tokens=l_d, qualifier_tokens=l_q))
+    got = target.generate(_ids(seed), assistant_model=assistant, do_sample=False, max_new_tokens=max_new)
+    assert torch.equal(got, expected), f"{got.tolist()} != {expected.tolist()}"
+    assert max_new == 1 or assistant.total_stats.forward_calls["qualifier"] > 0  # one token: the target alone
+
+
+def test_sampling_with_an_int8_qualifier_matches_the_target_distribution(sharp_trio):  # noqa: F811
+    target, qualifier, draft = sharp_trio
+    qualifier = tiny_model("llama", 16, 1, 5, vocab=8, init=0.5)
+    quantize_model(qualifier, "int8", max_int8_rows=64)
+    assistant = PyramidAssistant(qualifier, draft, PyramidConfig(draft_tokens=2, qualifier_tokens=2))
+    pvals = _pvalues(_samples(target, assistant), _target_joint(target))
+    assert min(pvals) > 1e-3, pvals
+
+
+def test_load_trio_quantizes_the_qualifier_on_request(tmp_path, monkeypatch):
+    from pyramid_hf.trio import load_trio
+
+    monkeypatch.setenv("PYRAMID_HF_CACHE", str(tmp_path / "cache"))
+    target, qualifier, _ = tiny_trio("qwen2", seed=7)
+    folders = save_tiny_folders(tmp_path, target=target, qualifier=qualifier)
+    kwargs = dict(folders, draft="prompt_lookup", dtype="float32", qualifier_vocab_size=24)
+    plain = load_trio(None, **kwargs)
+    assert not any(isinstance(m, Int8Linear) for m in plain.qualifier.modules())
+    trio = load_trio(None, qualifier_quantization="int8", **kwargs)
+    head = trio.qualifier.get_output_embeddings()
+    assert isinstance(head, ReducedVocabHead) and isinstance(head.kept_linear, Int8Linear)
+    assert "int8 weights" in trio.origins["qualifier"]
+    assert not any(isinstance(m, Int8Linear) for m in trio.target.modules())
+    ids = _ids(9)
+    expected = trio.target.generate(ids, do_sample=False, max_new_tokens=24)
+    got = trio.target.generate(ids, do_sample=False, max_new_tokens=24, assistant_model=PyramidAssistant(
+        trio.qualifier, trio.draft, PyramidConfig(draft_tokens=3, qualifier_tokens=4)))
+    assert torch.equal(got, expected)

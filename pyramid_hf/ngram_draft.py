@@ -163,13 +163,14 @@ def lookup_in_text(ids: list[int], max_ngram: int, num_tokens: int) -> tuple[int
     return found[0] if found else (0, [])
 
 
-def lookup_branches(ids: list[int], max_ngram: int, num_tokens: int, max_branches: int) -> list[tuple[int, list[int]]]:
-    """Up to ``max_branches`` different continuations of earlier occurrences of the text's tail, as (n, tokens):
-    longer matched tails first, the most recent occurrence first within one n."""
+def lookup_branches(ids: list[int], max_ngram: int, num_tokens: int, max_branches: int,
+                    min_ngram: int = 1) -> list[tuple[int, list[int]]]:
+    """Up to ``max_branches`` different continuations of earlier occurrences of the text's tail (of ``min_ngram`` to
+    ``max_ngram`` tokens), as (n, tokens): longer matched tails first, the most recent occurrence first within one n."""
     arr = np.asarray(ids, dtype=np.int64)
     length = arr.shape[0]
     found, seen = [], set()
-    for n in range(min(max_ngram, length - 1), 0, -1):
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)  # starts 0 .. L-1-n
         for hit in np.flatnonzero((windows == arr[length - n :]).all(axis=1))[::-1]:
             tokens = ids[int(hit) + n : int(hit) + n + num_tokens]
@@ -192,6 +193,7 @@ class CorpusNgramDraft(CandidateGenerator):
         table: an `NgramTable` (e.g. `stdlib_ngram_table`).
         num_output_tokens: tokens proposed per call (the pyramid takes its current ``draft_tokens`` of them).
         max_ngram: longest context matched in the text so far.
+        min_ngram: shortest one (a one-token match is a weak guess; raise it where a wrong proposal is costly).
         min_count, min_share: the corpus table proposes a token only if it followed its context at least
             ``min_count`` times and in at least ``min_share`` of them (raise them where a wrong proposal is
             costly; on hardware where verifying k tokens costs about one token, proposing is free).
@@ -199,14 +201,16 @@ class CorpusNgramDraft(CandidateGenerator):
     """
 
     def __init__(self, table: NgramTable, num_output_tokens: int = 16, max_ngram: int = 4, min_count: int = 1,
-                 min_share: float = 0.0, eos_token_id=None):
+                 min_share: float = 0.0, eos_token_id=None, min_ngram: int = 1):
         for name, value in (("num_output_tokens", num_output_tokens), ("max_ngram", max_ngram),
-                            ("min_count", min_count)):
+                            ("min_count", min_count), ("min_ngram", min_ngram)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if min_ngram > max_ngram:
+            raise ValueError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
         if not 0.0 <= float(min_share) <= 1.0:
             raise ValueError(f"min_share must be in [0, 1], got {min_share!r}")
-        self.table, self.num_output_tokens, self.max_ngram = table, num_output_tokens, max_ngram
+        self.table, self.num_output_tokens, self.max_ngram, self.min_ngram = table, num_output_tokens, max_ngram, min_ngram
         self.min_count, self.min_share = min_count, float(min_share)
         eos = [] if eos_token_id is None else torch.as_tensor(eos_token_id).view(-1).tolist()
         self.eos_ids = set(eos)
@@ -220,7 +224,7 @@ class CorpusNgramDraft(CandidateGenerator):
         branches), best guess first: the lookup or corpus draft `propose` makes, then the other one, then other
         continuations of the text's tail found earlier in the text. ``[[]]`` when nothing is known."""
         k = self.num_output_tokens if num_tokens is None else num_tokens
-        from_text = lookup_branches(ids, self.max_ngram, k, max_branches)
+        from_text = lookup_branches(ids, self.max_ngram, k, max_branches, self.min_ngram)
         n_corpus = self.table.known_order(ids, self.min_count, self.min_share)
         from_corpus = []
         while n_corpus and len(from_corpus) < k:

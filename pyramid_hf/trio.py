@@ -83,7 +83,7 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
     if "draft" in loaded:
         draft_obj = loaded["draft"].model
     elif draft_source == NGRAM:
-        draft_obj = ngram_draft(tokenizer, loaded["target"].model)
+        draft_obj = ngram_draft(tokenizer, loaded["target"].model, **getattr(preset, "ngram_options", {}))
     else:
         draft_obj = PROMPT_LOOKUP if draft_source == PROMPT_LOOKUP else None
     _check_same_tokenizer(tokenizer, {role: lm.tokenizer for role, lm in loaded.items() if role != "target"})
@@ -115,8 +115,9 @@ def _quantize_qualifier(qualifier, mode: str) -> None:
         logger.info("qualifier: int8 weights for calls of <= %d tokens (%d layers)", DEFAULT_MAX_INT8_ROWS, changed)
 
 
-def ngram_draft(tokenizer, target):
-    """The ``"ngram"`` draft for ``tokenizer``: its standard-library table is built once and cached."""
+def ngram_draft(tokenizer, target, **options):
+    """The ``"ngram"`` draft for ``tokenizer``: its standard-library table is built once and cached.
+    ``options``: `CorpusNgramDraft` keyword arguments (min_count, min_share, min_ngram, ...)."""
     from .models import cache_root
     from .ngram_draft import CorpusNgramDraft, stdlib_ngram_table
 
@@ -124,7 +125,7 @@ def ngram_draft(tokenizer, target):
         raise ValueError("the ngram draft needs the target's tokenizer (to tokenize its corpus)")
     eos = target.generation_config.eos_token_id if target.generation_config.eos_token_id is not None \
         else tokenizer.eos_token_id
-    return CorpusNgramDraft(stdlib_ngram_table(tokenizer, cache_root()), eos_token_id=eos)
+    return CorpusNgramDraft(stdlib_ngram_table(tokenizer, cache_root()), eos_token_id=eos, **options)
 
 
 def _check_same_tokenizer(target_tokenizer, others: dict) -> None:

@@ -73,6 +73,12 @@ def test_draft_prefers_text_repeats_and_falls_back_to_the_corpus():
         CorpusNgramDraft(table, min_share=1.5)
     with pytest.raises(ValueError, match="num_output_tokens"):
         CorpusNgramDraft(table, num_output_tokens=0)
+    strict = CorpusNgramDraft(table, num_output_tokens=3, min_ngram=2)
+    assert strict.propose([20, 21, 22, 20, 21]) == [22, 20, 21]  # a 2-token match still counts
+    assert strict.propose([5, 2, 3, 6, 4, 7, 3]) == []  # a 1-token match ("3") no longer does
+    assert draft.propose([5, 2, 3, 6, 4, 7, 3]) == [6, 4, 7]
+    with pytest.raises(ValueError, match=r"min_ngram \(5\) must be <= max_ngram \(4\)"):
+        CorpusNgramDraft(table, min_ngram=5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

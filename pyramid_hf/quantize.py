@@ -45,7 +45,8 @@ class Int8Linear(nn.Module):
         super().__init__()
         if linear.weight.device.type != "cpu":
             raise ValueError(f"int8 quantization runs on CPU only (torch's int8 weight-only kernel); this layer is "
-                             f"on {linear.weight.device.type}: use quantization='none' there")
+                             f"on {linear.weight.device.type}: load the qualifier with --qualifier_quantization none "
+                             f"(load_trio(..., qualifier_quantization='none'))")
         self.linear = linear
         weight_int8, scales = quantize_rows(linear.weight)
         self.register_buffer("weight_int8", weight_int8, persistent=False)

@@ -59,6 +59,8 @@ def test_quantize_model_counts_layers_and_refuses_bad_input():
         quantize_model(tiny_model("llama", 32, 2), "int8", max_int8_rows=0)
     with pytest.raises(ValueError, match="needs bfloat16 or float32 weights"):
         quantize_model(tiny_model("llama", 32, 2).half(), "int8")
+    with pytest.raises(ValueError, match="CPU only .* on meta: load the qualifier with --qualifier_quantization none"):
+        Int8Linear(nn.Linear(8, 8, device="meta"))
     with pytest.raises(ValueError, match="--qualifier_quantization must be none or int8, got 'int4'"):
         GenerateArgs(prompt="x", qualifier_quantization="int4")
     with pytest.raises(ValueError, match="--qualifier_quantization must be none or int8"):

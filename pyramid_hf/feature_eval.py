@@ -33,7 +33,8 @@ class _PathStates:
 
 @torch.no_grad()
 def walk(draft, teacher, path_ids: torch.Tensor, start: int, draft_tokens: int, divergence: str) -> dict:
-    """Blocks along ``path_ids`` (1, L), the teacher's greedy continuation of a prompt of ``start`` tokens."""
+    """Blocks along ``path_ids`` (1, L), a greedy continuation (the teacher's, or the target's that the pyramid
+    decodes) of a prompt of ``start`` tokens; a draft is kept when its argmax is the teacher's."""
     device = next(teacher.parameters()).device
     out = teacher(input_ids=path_ids.to(device), output_hidden_states=True)
     teacher_probs = out.logits[0].float().softmax(-1).cpu()  # row p predicts position p + 1
@@ -55,7 +56,7 @@ def walk(draft, teacher, path_ids: torch.Tensor, start: int, draft_tokens: int, 
             tvs.append(float(tv_distance(teacher_row, draft_probs)))
             jss.append(float(DIVERGENCES["js"](teacher_row, draft_probs)))
             reached[n] += 1
-            if int(draft_probs.argmax()) != int(path_ids[0, t + n]):
+            if int(draft_probs.argmax()) != int(teacher_row.argmax()):  # the path's token, on the teacher's path
                 break
             kept[n] += 1
             n += 1

@@ -111,3 +111,13 @@ def test_load_report_rejects_other_files(tmp_path):
     path.write_text(json.dumps({"config": {}, "methods": []}))
     with pytest.raises(ValueError, match="not an eval-acceptance report"):
         load_report(path)
+
+
+def test_a_path_model_changes_the_text_not_the_rule(tmp_path):
+    student, teacher, writer = (tiny_model("llama", seed=s, init=0.3) for s in (1, 2, 3))
+    args = _args(tmp_path, max_new_tokens=12, latency_repeats=0)
+    own = measure(student, teacher, _prompts(), args)
+    assert measure(student, teacher, _prompts(), args, path_model=teacher) == own  # the teacher's path by default
+    other = measure(student, teacher, _prompts(), args, path_model=writer)
+    assert other["mean_tv"] != pytest.approx(own["mean_tv"])  # another text was scored
+    assert measure(teacher, teacher, _prompts(), args, path_model=writer)["acceptance_exact_greedy"] == 1.0

@@ -117,3 +117,13 @@ def test_eval_acceptance_walks_a_feature_draft(tmp_path, noise):
     else:
         assert result["acceptance_exact_greedy"] < 1.0 and result["mean_accepted_tokens"] < 4.5
     assert result["latency_ms"]["student_1"] > 0 and result["break_even_accepted_tokens"] > 0
+
+
+def test_a_perfect_feature_draft_is_kept_along_another_models_path(tmp_path):
+    qualifier = token_local(tiny_model("llama", 32, 1, init=0.3))
+    prompts = [torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    args = EvalAcceptanceArgs(out=str(tmp_path), preset=None, student="s", teacher="t", limit=3, draft_tokens=4,
+                              max_new_tokens=20, latency_repeats=0, progress=False)
+    result = measure(perfect_draft(qualifier), qualifier, prompts, args,
+                     path_model=tiny_model("llama", 32, 2, seed=5, init=0.3))
+    assert result["acceptance_exact_greedy"] == 1.0 and result["mean_tv"] < 1e-5

@@ -7,6 +7,7 @@ the pyramid side by side, checks that the lossless pyramid reproduced the target
 prints the per-stage stats.
 
     pyramid-sd models fetch qwen-coder-cpu
+    pyramid-sd models build qwen-coder-cpu-feature --dry_run
     pyramid-sd generate --preset qwen-coder-cpu --prompt "def fibonacci(n):"
     pyramid-sd bench --preset qwen-coder-cpu --limit 10 --out runs/bench
     pyramid-sd publish --model runs/draft --repo-id ORG/NAME --output-dir runs/publish --results runs/acc/acceptance.json
@@ -171,9 +172,18 @@ def models(argv: list[str]) -> int:
     fetch_parser.add_argument("names", nargs="+", help=f"offline model names ({', '.join(OFFLINE_SOURCES)}) or "
                               "presets (fetches their offline models)")
     sub.add_parser("list", help="presets, where each model comes from, and what is cached")
+    build_parser = sub.add_parser("build", help="rebuild a preset's self-trained draft with its recipes (resumable)")
+    build_parser.add_argument("name", help="a preset whose draft this project trains (see --dry_run)")
+    build_parser.add_argument("--dry_run", "--dry-run", action="store_true", help="print the plan, run nothing")
+    build_parser.add_argument("--force", action="store_true", help="rerun steps whose output exists")
     ns = parser.parse_args(argv)
     if ns.action == "list":
         print(list_presets_table())
+        return 0
+    if ns.action == "build":
+        from .models.build import get_plan, run_plan
+
+        run_plan(ns.name, get_plan(ns.name), dry_run=ns.dry_run, force=ns.force, record=f"runs/build-{ns.name}.json")
         return 0
     for name in _offline_names(ns.names):
         print(f"{name}: {fetch(name)}")
@@ -206,7 +216,7 @@ COMMANDS = {
     "publish": (publish, "write a reloadable drafter folder with a measured model card; --push uploads it"),
     "derive": (derive, "a smaller draft from a model: keep any subset of its decoder layers"),
     "reduce-vocab": (reduce_vocab, "a draft head over the K most frequent tokens (lossless under exact verification)"),
-    "models": (models, "fetch / list offline models and presets"),
+    "models": (models, "fetch / list offline models and presets; build a preset's own draft"),
 }
 
 

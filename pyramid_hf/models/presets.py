@@ -95,14 +95,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("qwen-coder-cpu-distilled", "qwen-coder-cpu with the distilled derived draft (built by a recipe)",
            _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"), _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
            ModelSpec(None, local_dir=_DISTILLED_DRAFT,
-                     build_hint="run the qwen-coder-cpu-distilled recipe (see recipes/README.md)"),
+                     build_hint="build it with `pyramid-sd models build qwen-coder-cpu-distilled` (recipes/README.md)"),
            {"draft_tokens": 4, "qualifier_tokens": 8}, qualifier_vocab_size=32768),
     Preset("qwen-coder-cpu-feature", "qwen-coder-cpu with a feature draft (one layer over the 0.5B's hidden states, "
            "EAGLE-style; built by a recipe)", _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
            _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
            ModelSpec(None, local_dir=_FEATURE_DRAFT,
-                     build_hint="run recipes/qwen-coder-cpu-distilled/feature_draft.yaml and publish its final folder "
-                                "there (see recipes/README.md)"),
+                     build_hint="build it with `pyramid-sd models build qwen-coder-cpu-feature` (~80 min on 2 CPU "
+                                "cores; recipes/README.md)"),
            {"draft_tokens": 4, "qualifier_tokens": 8}, qualifier_vocab_size=32768),
 ]}
 

@@ -30,7 +30,9 @@ class FeatureDraftArguments:
 
     qualifier: str = field(default="Qwen/Qwen2.5-Coder-0.5B-Instruct",
                            metadata={"help": "the model whose hidden states the draft reads (Hub id, folder, GGUF)"})
-    qualifier_dtype: str = field(default="bfloat16", metadata={"help": "the frozen qualifier's dtype"})
+    qualifier_dtype: str = field(default="auto", metadata={
+        "help": "the frozen qualifier's dtype; auto: bfloat16 where the hardware multiplies bf16 natively (GPU, CPU "
+                "with AMX / AVX512-BF16), float32 elsewhere (an AVX2-only CPU emulates bf16: 4.5x slower steps)"})
     init_from: str | None = field(default=None, metadata={"help": "continue from a saved feature-draft folder"})
     init_layer: int = field(default=-1, metadata={"help": "qualifier decoder layer copied into a new draft"})
     texts: str = field(default="stdlib-code", metadata={"help": "training text: 'stdlib-code' (offline: the Python "
@@ -170,6 +172,19 @@ def _save_draft(module: FeatureDistillation, folder: Path, args: FeatureDraftArg
     return folder
 
 
+def qualifier_dtype(name: str, training_args) -> str:
+    """``name``, with "auto" resolved for the device training runs on (see `pyramid_hf.quantize.native_bf16`)."""
+    from .quantize import native_bf16
+
+    if name != "auto":
+        return name
+    device = getattr(training_args, "device", "cpu")
+    resolved = "bfloat16" if native_bf16(device) else "float32"
+    logger.info("qualifier dtype auto -> %s (%s %s bf16 matrix units)", resolved, torch.device(device).type,
+                "has" if resolved == "bfloat16" else "has no")
+    return resolved
+
+
 def train(args: FeatureDraftArguments, training_args, *, qualifier=None, tokenizer=None) -> Path:
     """Train and save ``output_dir/final`` (a feature-draft folder); resumes from the last checkpoint if any."""
     from datasets import Dataset
@@ -179,7 +194,8 @@ def train(args: FeatureDraftArguments, training_args, *, qualifier=None, tokeniz
     from .models import load_model
 
     if qualifier is None:
-        loaded = load_model(args.qualifier, dtype=args.qualifier_dtype, reduced_vocab=False)
+        loaded = load_model(args.qualifier, dtype=qualifier_dtype(args.qualifier_dtype, training_args),
+                            reduced_vocab=False)
         qualifier, tokenizer = loaded.model, loaded.tokenizer
         logger.info("qualifier: %s", loaded.origin)
     if tokenizer is None:

@@ -8,21 +8,33 @@ therefore keeps both copies and picks per call: int8 for calls of at most ``max_
 steps, short drafts), the original weights for wider calls (draft trees, prefill). Memory grows by half the
 linears' bf16 size.
 
+Where int8 stops paying depends on the CPU: on a CPU without bf16 matrix units (AVX2 only, e.g. an AMD EPYC seen
+here) a bf16 matmul costs k times as much for k rows while the int8 kernel stays ~5x cheaper up to 13 rows
+(896 x 4864: bf16 2.0 / 14.0 ms at 1 / 8 rows, int8 0.8 / 2.8 ms). ``max_int8_rows="auto"`` (the default) therefore
+measures it, once per weight shape and process: `measure_max_int8_rows` times both kernels at 1, 2, 4, ... 64 rows
+(a few seconds for a 0.5B model) and keeps int8 up to the widest call at which it is still faster.
+
 Lossless: the quantized model only proposes or filters tokens; the target verifies them with its own, untouched
 weights. Top-1 agreement of the int8 0.5B with its bf16 self was 96% on library code (dynamic int8 activations,
 torch's other CPU path, kept only 75-90%: Qwen's activation outliers), so per-stage acceptance moves a little.
 
-``torch._weight_int8pack_mm`` is a private torch op: this module is the only one that calls it, and
-``tests/test_quantize.py`` fails loudly if it disappears or changes meaning.
+``torch._weight_int8pack_mm`` and torch's CPU feature probes (``torch.cpu._is_amx_tile_supported``,
+``torch.cpu._is_avx512_bf16_supported``) are private torch APIs: this module is the only one that calls them, and
+``tests/test_quantize.py`` fails loudly if they disappear or change meaning.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
 
 MODES = ("none", "int8")
-DEFAULT_MAX_INT8_ROWS = 4  # where int8 stops paying on a 2-core AMX CPU (whole 0.5B forwards, see above)
+AMX_MAX_INT8_ROWS = 4  # where int8 stopped paying on a 2-core AMX CPU (whole 0.5B forwards, see above)
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+PROBE_ROWS = 1024
+_measured_rows: dict[tuple, int] = {}  # (out, in, dtype) -> max_int8_rows, measured once per process
 
 
 def int8_weight_only_matmul(x2d: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -38,10 +50,64 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weight_int8.contiguous(), scales.to(weight.dtype)
 
 
-class Int8Linear(nn.Module):
-    """An ``nn.Linear`` that runs narrow calls (<= ``max_int8_rows`` rows) on int8 weights, wider ones as before."""
+def native_bf16(device="cpu") -> bool:
+    """Whether ``device`` multiplies bf16 matrices in hardware: CUDA with bf16 support, or a CPU with AMX or
+    AVX512-BF16. Elsewhere (e.g. AVX2-only CPUs) bf16 matmuls are emulated: a forward over k tokens costs about k
+    one-token forwards (0.5B here: 98 ms for 1 token, 557 ms for 8), so wide calls run faster in float32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return True  # other accelerators: trust their bf16
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
-    def __init__(self, linear: nn.Linear, max_int8_rows: int = DEFAULT_MAX_INT8_ROWS):
+
+def widest_faster(rows, float_ms, int8_ms) -> int:
+    """The widest of ``rows`` (ascending) up to which int8 was faster at every width measured; 0 if never."""
+    best = 0
+    for width, f, q in zip(rows, float_ms, int8_ms, strict=False):
+        if q >= f:
+            break
+        best = width
+    return best
+
+
+def _median_ms(fn, x: torch.Tensor, repeats: int) -> float:
+    fn(x)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1000
+
+
+@torch.no_grad()
+def measure_max_int8_rows(weight: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor,
+                          rows=CALIBRATION_ROWS, repeats: int = 5) -> int:
+    """How wide a call may be for int8 weights to beat ``weight``'s own matmul on this machine (0: never); measured
+    once per weight shape and dtype per process."""
+    # the kernels' relative speed depends on the width of a call, not on how many output rows a weight has: time
+    # at most PROBE_ROWS of them (a 151936-token LM head would otherwise take seconds per width in bf16)
+    weight, weight_int8, scales = weight[:PROBE_ROWS], weight_int8[:PROBE_ROWS], scales[:PROBE_ROWS]
+    key = (*weight.shape, weight.dtype)
+    if key not in _measured_rows:
+        float_ms, int8_ms = [], []
+        for width in rows:
+            x = torch.randn(width, weight.shape[1], dtype=weight.dtype)
+            float_ms.append(_median_ms(lambda v: nn.functional.linear(v, weight), x, repeats))
+            int8_ms.append(_median_ms(lambda v: int8_weight_only_matmul(v, weight_int8, scales), x, repeats))
+            if int8_ms[-1] >= float_ms[-1]:
+                break
+        _measured_rows[key] = widest_faster(rows, float_ms, int8_ms)
+    return _measured_rows[key]
+
+
+class Int8Linear(nn.Module):
+    """An ``nn.Linear`` that runs narrow calls (<= ``max_int8_rows`` rows) on int8 weights, wider ones as before;
+    ``max_int8_rows="auto"`` measures that width on this machine (`measure_max_int8_rows`)."""
+
+    def __init__(self, linear: nn.Linear, max_int8_rows: int | str = "auto"):
         super().__init__()
         if linear.weight.device.type != "cpu":
             raise ValueError(f"int8 quantization runs on CPU only (torch's int8 weight-only kernel); this layer is "
@@ -51,7 +117,9 @@ class Int8Linear(nn.Module):
         weight_int8, scales = quantize_rows(linear.weight)
         self.register_buffer("weight_int8", weight_int8, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
-        self.max_int8_rows = max_int8_rows
+        if max_int8_rows == "auto":
+            max_int8_rows = measure_max_int8_rows(linear.weight, weight_int8, scales)
+        self.max_int8_rows = _check_rows(max_int8_rows)
 
     @property
     def weight(self) -> torch.Tensor:  # the original weights: for code that inspects dtype, device or shape
@@ -73,13 +141,25 @@ class Int8Linear(nn.Module):
         return f"int8 for calls of <= {self.max_int8_rows} rows"
 
 
-def quantize_model(model: nn.Module, mode: str = "int8", max_int8_rows: int = DEFAULT_MAX_INT8_ROWS) -> int:
+def _check_rows(max_int8_rows) -> int:
+    if isinstance(max_int8_rows, bool) or not isinstance(max_int8_rows, int) or max_int8_rows < 0:
+        raise ValueError(f"max_int8_rows must be a non-negative integer or 'auto', got {max_int8_rows!r}")
+    return max_int8_rows
+
+
+def int8_rows_of(model: nn.Module) -> list[int]:
+    """The ``max_int8_rows`` of every int8 layer in ``model``."""
+    return [m.max_int8_rows for m in model.modules() if isinstance(m, Int8Linear)]
+
+
+def quantize_model(model: nn.Module, mode: str = "int8", max_int8_rows: int | str = "auto") -> int:
     """Give every ``nn.Linear`` in ``model`` (its decoder layers and a plain or reduced-vocabulary LM head) int8
-    weights for narrow calls, in place. Returns how many layers changed; ``mode="none"`` changes nothing."""
+    weights for narrow calls, in place. Returns how many layers changed; ``mode="none"`` changes nothing.
+    ``max_int8_rows``: the widest call (rows) run on int8 weights, or "auto" to measure it on this machine."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(MODES)}")
-    if isinstance(max_int8_rows, bool) or not isinstance(max_int8_rows, int) or max_int8_rows < 1:
-        raise ValueError(f"max_int8_rows must be a positive integer, got {max_int8_rows!r}")
+    if max_int8_rows != "auto":
+        _check_rows(max_int8_rows)
     if mode == "none":
         return 0
     if any(isinstance(m, Int8Linear) for m in model.modules()):

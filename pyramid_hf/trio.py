@@ -73,6 +73,7 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
             continue
         loaded[role] = load_model(source, dtype=dtype, device_map=device_map)
         logger.info("%s: %s", role, loaded[role].origin)
+    _warn_emulated_bf16(loaded["target"].model)
     draft_source = sources["draft"]
     tokenizer = loaded["target"].tokenizer
     if qualifier_vocab_size is None:
@@ -92,6 +93,19 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
                                                                    else {}))
 
 
+def _warn_emulated_bf16(target) -> None:
+    import torch
+
+    from .quantize import native_bf16
+
+    weight = next(target.parameters())
+    if weight.dtype == torch.bfloat16 and not native_bf16(weight.device):
+        logger.warning("target: bf16 on a %s without bf16 matrix units: a forward over k tokens costs about k "
+                       "one-token forwards here, so verifying a block is not cheap and speculative methods may not "
+                       "beat AR on this machine (`pyramid-sd bench` measures it; --dtype float32 makes wide calls "
+                       "cheaper, one-token calls dearer)", weight.device.type.upper())
+
+
 def _reduce_qualifier(qualifier, tokenizer, size: int) -> None:
     from .models import cache_root
     from .vocab_head import ReducedVocabHead, reduce_loaded_vocab
@@ -107,12 +121,19 @@ def _reduce_qualifier(qualifier, tokenizer, size: int) -> None:
 
 
 def _quantize_qualifier(qualifier, mode: str) -> None:
-    from .quantize import DEFAULT_MAX_INT8_ROWS, quantize_model
+    from .quantize import int8_rows_of, quantize_model
 
     changed = quantize_model(qualifier.model, mode)
     if changed:
-        qualifier.origin += f" (int8 weights for calls of <= {DEFAULT_MAX_INT8_ROWS} tokens in {changed} layers)"
-        logger.info("qualifier: int8 weights for calls of <= %d tokens (%d layers)", DEFAULT_MAX_INT8_ROWS, changed)
+        rows = int8_rows_of(qualifier.model)
+        if max(rows) == 0:
+            logger.info("qualifier: int8 weights were not faster than %s at any call width on this CPU: it keeps its "
+                        "own weights", next(qualifier.model.parameters()).dtype)
+            return
+        span = f"{min(rows)}-{max(rows)}" if min(rows) != max(rows) else str(rows[0])
+        qualifier.origin += f" (int8 weights for calls of <= {span} tokens in {changed} layers, measured on this CPU)"
+        logger.info("qualifier: int8 weights for calls of <= %s tokens (%d layers; the widths where int8 beat %s "
+                    "here)", span, changed, next(qualifier.model.parameters()).dtype)
 
 
 def ngram_draft(tokenizer, target, **options):

@@ -85,7 +85,7 @@ class ReducedVocabHead(nn.Module):
         self.kept_bias = None if bias is None else nn.Parameter(bias.detach()[self.kept_ids].clone())
         self.kept_linear = None  # set by `quantize`
 
-    def quantize(self, max_int8_rows: int) -> None:
+    def quantize(self, max_int8_rows: int | str = "auto") -> None:
         """Int8 kept rows for narrow calls (`pyramid_hf.quantize.Int8Linear`); the float rows serve wider ones."""
         from .quantize import Int8Linear
 

@@ -190,5 +190,5 @@ def test_distilled_preset_says_how_to_build_its_draft(tmp_path, monkeypatch):
 def test_feature_preset_says_how_to_build_its_draft(tmp_path, monkeypatch):
     monkeypatch.setenv("PYRAMID_HF_CACHE", str(tmp_path))
     draft = presets.get_preset("qwen-coder-cpu-feature").draft
-    with pytest.raises(FileNotFoundError, match="feature_draft.yaml"):
+    with pytest.raises(FileNotFoundError, match="pyramid-sd models build qwen-coder-cpu-feature"):
         draft.source  # noqa: B018

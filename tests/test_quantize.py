@@ -1,5 +1,7 @@
 """Int8 weights for the qualifier and draft: close to the float layers, and the pyramid stays exactly lossless."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_sampling import _pvalues, _samples, _target_joint, sharp_trio  # noqa: F401 (fixture)
@@ -8,7 +10,17 @@ from torch import nn
 
 from pyramid_hf import PyramidAssistant, PyramidConfig
 from pyramid_hf.bench.main import BenchArgs
-from pyramid_hf.quantize import Int8Linear, int8_weight_only_matmul, quantize_model, quantize_rows
+from pyramid_hf.quantize import (
+    CALIBRATION_ROWS,
+    Int8Linear,
+    int8_rows_of,
+    int8_weight_only_matmul,
+    measure_max_int8_rows,
+    native_bf16,
+    quantize_model,
+    quantize_rows,
+    widest_faster,
+)
 from pyramid_hf.textgen import GenerateArgs
 from pyramid_hf.vocab_head import ReducedVocabHead, apply_reduced_vocab
 
@@ -55,8 +67,10 @@ def test_quantize_model_counts_layers_and_refuses_bad_input():
         quantize_model(model, "int8")
     with pytest.raises(ValueError, match="unknown quantization 'int4'; choose from none, int8"):
         quantize_model(tiny_model("llama", 32, 2), "int4")
-    with pytest.raises(ValueError, match="max_int8_rows must be a positive integer"):
-        quantize_model(tiny_model("llama", 32, 2), "int8", max_int8_rows=0)
+    with pytest.raises(ValueError, match="max_int8_rows must be a non-negative integer or 'auto', got -1"):
+        quantize_model(tiny_model("llama", 32, 2), "int8", max_int8_rows=-1)
+    with pytest.raises(ValueError, match="max_int8_rows must be a non-negative integer or 'auto', got 'fast'"):
+        quantize_model(tiny_model("llama", 32, 2), "int8", max_int8_rows="fast")
     with pytest.raises(ValueError, match="needs bfloat16 or float32 weights"):
         quantize_model(tiny_model("llama", 32, 2).half(), "int8")
     with pytest.raises(ValueError, match="CPU only .* on meta: load the qualifier with --qualifier_quantization none"):
@@ -120,3 +134,68 @@ def test_load_trio_quantizes_the_qualifier_on_request(tmp_path, monkeypatch):
     got = trio.target.generate(ids, do_sample=False, max_new_tokens=24, assistant_model=PyramidAssistant(
         trio.qualifier, trio.draft, PyramidConfig(draft_tokens=3, qualifier_tokens=4)))
     assert torch.equal(got, expected)
+
+
+def test_widest_faster_keeps_int8_up_to_the_first_width_where_it_loses():
+    rows = (1, 2, 4, 8, 16)
+    # an AMX CPU (bf16 matrix units): int8 wins narrow calls only
+    assert widest_faster(rows, [100, 102, 105, 110, 118], [60, 70, 79, 150, 240]) == 4
+    # an AVX2-only CPU (bf16 emulated, cost ~ rows): int8 wins everywhere measured
+    assert widest_faster(rows, [2.0, 3.7, 7.1, 14.0, 27.9], [0.8, 0.9, 1.4, 2.8, 5.4]) == 16
+    assert widest_faster(rows, [1, 1, 1], [2, 0.5, 0.5]) == 0  # slower at one row: never, even if faster later
+    assert widest_faster(rows[:2], [5, 5], [1, 1]) == 2  # calibration stopped early: the widest measured
+
+
+def test_auto_width_is_measured_once_per_shape_and_used_by_the_layer(monkeypatch):
+    from pyramid_hf import quantize
+
+    monkeypatch.setattr(quantize, "_measured_rows", {})
+    weight = torch.randn(64, 48, dtype=torch.bfloat16)
+    weight_int8, scales = quantize_rows(weight)
+    width = measure_max_int8_rows(weight, weight_int8, scales, repeats=1)
+    assert width == 0 or width in CALIBRATION_ROWS
+    assert quantize._measured_rows == {(64, 48, torch.bfloat16): width}
+    quantize._measured_rows[(64, 48, torch.bfloat16)] = 3  # a second layer of that shape reads the measurement
+    linear = nn.Linear(48, 64, bias=False).to(torch.bfloat16)
+    layer = Int8Linear(linear)
+    assert layer.max_int8_rows == 3 and int8_rows_of(nn.Sequential(layer)) == [3]
+    with torch.no_grad():
+        narrow, wide = torch.randn(3, 48, dtype=torch.bfloat16), torch.randn(4, 48, dtype=torch.bfloat16)
+        assert not torch.equal(layer(narrow), linear(narrow)) and torch.equal(layer(wide), linear(wide))
+    big = torch.randn(5000, 48)  # only the first PROBE_ROWS rows are timed: keyed by the probe's shape
+    measure_max_int8_rows(big, *quantize_rows(big), rows=(1,), repeats=1)
+    assert (quantize.PROBE_ROWS, 48, torch.float32) in quantize._measured_rows
+
+
+def test_native_bf16_reads_the_cpu_flags_through_torch_private_probes():
+    """Guard for ``torch.cpu._is_amx_tile_supported`` / ``_is_avx512_bf16_supported``: they must exist, answer a
+    bool, and agree with what the kernel reports in /proc/cpuinfo."""
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        assert callable(getattr(torch.cpu, probe, None)), f"torch.cpu.{probe} is gone"
+        assert isinstance(getattr(torch.cpu, probe)(), bool)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = set(next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "").split())
+        assert native_bf16("cpu") == bool({"amx_tile", "avx512_bf16"} & flags)
+    if not torch.cuda.is_available():
+        assert native_bf16("cuda") is False
+
+
+def test_training_dtype_auto_and_the_emulated_bf16_warning(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from pyramid_hf import feature_train, quantize
+    from pyramid_hf.trio import _warn_emulated_bf16
+
+    args = SimpleNamespace(device=torch.device("cpu"))
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(quantize, "native_bf16", lambda device, native=native: native)
+        assert feature_train.qualifier_dtype("auto", args) == expected
+        assert feature_train.qualifier_dtype("float16", args) == "float16"
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pyramid_hf"):
+            _warn_emulated_bf16(tiny_model("llama", 32, 2).to(torch.bfloat16))
+            _warn_emulated_bf16(tiny_model("llama", 32, 2))  # float32: nothing to say
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == (0 if native else 1)
+        assert all("bf16 on a CPU without bf16 matrix units" in m for m in warned)

@@ -38,16 +38,19 @@ _measured_rows: dict[tuple, int] = {}  # (out, in, dtype) -> max_int8_rows, meas
 
 
 def int8_weight_only_matmul(x2d: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x2d @ (weight_int8 * scales[:, None]).T`` for x2d (n, k) in bf16/fp32, weight_int8 (out, k), scales (out,)."""
-    return torch._weight_int8pack_mm(x2d, weight_int8, scales)
+    """``x2d @ (weight_int8 * scales[:, None]).T`` for x2d (n, k) in bf16/fp32, weight_int8 (out, k), scales (out,)
+    bf16; the product is in x2d's dtype. The kernel always runs on bf16 activations: with float32 ones torch's
+    kernel is ~10x slower (896 x 4864, 1 row: 2.05 vs 0.20 ms here), slower even than the float32 matmul."""
+    return torch._weight_int8pack_mm(x2d.to(torch.bfloat16), weight_int8, scales).to(x2d.dtype)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-row int8: weight ~= weight_int8 * scales[:, None]."""
+    """Symmetric per-output-row int8: weight ~= weight_int8 * scales[:, None] (scales in bf16, what the kernel of
+    `int8_weight_only_matmul` reads)."""
     w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    weight_int8 = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return weight_int8.contiguous(), scales.to(weight.dtype)
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(torch.bfloat16)
+    weight_int8 = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return weight_int8.contiguous(), scales
 
 
 def native_bf16(device="cpu") -> bool:

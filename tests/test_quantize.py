@@ -33,8 +33,8 @@ def test_private_int8_kernel_still_computes_x_times_the_dequantized_weight(dtype
     weight = torch.randn(48, 64, generator=g).to(dtype)
     x = torch.randn(3, 64, generator=g).to(dtype)
     weight_int8, scales = quantize_rows(weight)
-    assert weight_int8.dtype == torch.int8 and scales.shape == (48,) and scales.dtype == dtype
-    expected = x.float() @ (weight_int8.float() * scales.float()[:, None]).T
+    assert weight_int8.dtype == torch.int8 and scales.shape == (48,) and scales.dtype == torch.bfloat16
+    expected = x.bfloat16().float() @ (weight_int8.float() * scales.float()[:, None]).T  # on bf16 activations
     got = int8_weight_only_matmul(x, weight_int8, scales)
     assert got.shape == (3, 48) and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
@@ -115,10 +115,12 @@ def test_sampling_with_an_int8_qualifier_matches_the_target_distribution(sharp_t
     assert min(pvals) > 1e-3, pvals
 
 
-def test_load_trio_quantizes_the_qualifier_on_request(tmp_path, monkeypatch):
+def test_load_trio_quantizes_the_qualifier_on_request(tmp_path, monkeypatch, caplog):
+    from pyramid_hf import quantize
     from pyramid_hf.trio import load_trio
 
     monkeypatch.setenv("PYRAMID_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(quantize, "measure_max_int8_rows", lambda *a, **k: 8)  # what a real CPU may measure
     target, qualifier, _ = tiny_trio("qwen2", seed=7)
     folders = save_tiny_folders(tmp_path, target=target, qualifier=qualifier)
     kwargs = dict(folders, draft="prompt_lookup", dtype="float32", qualifier_vocab_size=24)
@@ -127,8 +129,13 @@ def test_load_trio_quantizes_the_qualifier_on_request(tmp_path, monkeypatch):
     trio = load_trio(None, qualifier_quantization="int8", **kwargs)
     head = trio.qualifier.get_output_embeddings()
     assert isinstance(head, ReducedVocabHead) and isinstance(head.kept_linear, Int8Linear)
-    assert "int8 weights" in trio.origins["qualifier"]
+    assert "int8 weights for calls of <= 8 tokens" in trio.origins["qualifier"]
     assert not any(isinstance(m, Int8Linear) for m in trio.target.modules())
+    monkeypatch.setattr(quantize, "measure_max_int8_rows", lambda *a, **k: 0)  # int8 never faster on this CPU
+    with caplog.at_level("INFO", logger="pyramid_hf"):
+        slow = load_trio(None, qualifier_quantization="int8", **kwargs)
+    assert "int8 weights" not in slow.origins["qualifier"]
+    assert any("int8 weights were not faster" in r.getMessage() for r in caplog.records)
     ids = _ids(9)
     expected = trio.target.generate(ids, do_sample=False, max_new_tokens=24)
     got = trio.target.generate(ids, do_sample=False, max_new_tokens=24, assistant_model=PyramidAssistant(

@@ -1,6 +1,6 @@
 """One-command rebuilds of the drafts this project trains itself (the presets whose draft is a local folder).
 
-    pyramid-sd models build qwen-coder-cpu-feature            # ~80 min on 2 CPU cores; resumable
+    pyramid-sd models build qwen-coder-cpu-feature            # ~80 min on 2 AMX CPU cores; resumable
     pyramid-sd models build qwen-coder-cpu-feature --dry_run  # print the plan
 
 A plan is the list of documented commands of recipes/README.md (fetch, train, write completions, train again,

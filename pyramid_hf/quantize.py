@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 MODES = ("none", "int8")
-AMX_MAX_INT8_ROWS = 4  # where int8 stopped paying on a 2-core AMX CPU (whole 0.5B forwards, see above)
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PROBE_ROWS = 1024
 _measured_rows: dict[tuple, int] = {}  # (out, in, dtype) -> max_int8_rows, measured once per process

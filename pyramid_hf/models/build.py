@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .offline import cache_root
+from .presets import PRESETS
 
 logger = logging.getLogger("pyramid_hf")
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: recipes/ and training/ live there
-QUALIFIER = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
-TARGET = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+QUALIFIER = PRESETS["qwen-coder-cpu"].qualifier.hub_id  # the trio both plans train drafts for
+TARGET = PRESETS["qwen-coder-cpu"].target.hub_id
 CPU = ("accelerate", "launch", "--config_file", "recipes/accelerate_configs/cpu.yaml")
 
 

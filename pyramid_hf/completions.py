@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .cpu_linear import CPU_LINEAR_HELP, DTYPE_HELP, check_cpu_linear
+
 logger = logging.getLogger("pyramid_hf")
 
 
@@ -33,10 +35,12 @@ class WriteCompletionsArgs:
     batch_size: int = field(default=32, metadata={"help": "prompts per generate() call"})
     do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (with --do_sample)"})
-    dtype: str = field(default="bfloat16", metadata={"help": "dtype to load the model in"})
+    dtype: str | None = field(default=None, metadata={"help": DTYPE_HELP})
+    cpu_linear: str = field(default="auto", metadata={"help": CPU_LINEAR_HELP})
     seed: int = field(default=0, metadata={"help": "seed of the prompt shuffle and of sampling"})
 
     def __post_init__(self):
+        check_cpu_linear(self.cpu_linear)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
@@ -116,9 +120,10 @@ def write_completions(model, tokenizer, prompts: list[str], out, *, max_new_toke
 def run_write_completions(args: WriteCompletionsArgs) -> Path:
     from .models import load_model
     from .prompts import load_prompts
+    from .trio import default_dtype
 
     torch.manual_seed(args.seed)
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype or default_dtype(), cpu_linear=args.cpu_linear)
     if loaded.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer to write text with")
     logger.info("writer: %s", loaded.origin)

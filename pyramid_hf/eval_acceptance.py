@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .acceptance import DIVERGENCE_RANGES, DIVERGENCES, tv_distance
+from .cpu_linear import CPU_LINEAR_HELP, DTYPE_HELP, check_cpu_linear
 
 logger = logging.getLogger("pyramid_hf")
 
@@ -50,11 +51,13 @@ class EvalAcceptanceArgs:
     path_model: str | None = field(default=None, metadata={
         "help": "model whose greedy continuation of each prompt is walked (default: the teacher's own); pass the "
                 "target to score a draft:qualifier pair on the text it meets inside the pyramid"})
-    dtype: str = field(default="bfloat16", metadata={"help": "model dtype: bfloat16, float32, float16"})
+    dtype: str | None = field(default=None, metadata={"help": DTYPE_HELP})
+    cpu_linear: str = field(default="auto", metadata={"help": CPU_LINEAR_HELP})
     latency_repeats: int = field(default=5, metadata={"help": "timed repeats per latency (median); 0 skips timing"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self):
+        check_cpu_linear(self.cpu_linear)
         if not (self.student and self.teacher) and self.pair not in PAIRS:
             raise ValueError(f"--pair must be one of {PAIRS}, got {self.pair!r}")
         if bool(self.student) != bool(self.teacher):
@@ -303,7 +306,7 @@ def run_eval_acceptance(args: EvalAcceptanceArgs, command: str | None = None) ->
     """Measure and write OUT/acceptance.json + .md; ``command`` (the command line) is recorded."""
     from .bench.humaneval import load_tasks
     from .models import get_preset, load_model
-    from .trio import _check_same_tokenizer
+    from .trio import _check_same_tokenizer, default_dtype
 
     if args.student:
         student_source, teacher_source = args.student, args.teacher
@@ -315,12 +318,13 @@ def run_eval_acceptance(args: EvalAcceptanceArgs, command: str | None = None) ->
             raise ValueError(f"preset {preset.name!r} has no model {student_role} ({specs[student_role]}); "
                              "pick another --pair or pass --student")
         student_source, teacher_source = specs[student_role].source, specs[teacher_role].source
-    student = load_model(student_source, dtype=args.dtype)
-    teacher = load_model(teacher_source, dtype=args.dtype, reduced_vocab=False)
+    args.dtype = args.dtype or default_dtype()
+    student = load_model(student_source, dtype=args.dtype, cpu_linear=args.cpu_linear)
+    teacher = load_model(teacher_source, dtype=args.dtype, reduced_vocab=False, cpu_linear=args.cpu_linear)
     logger.info("student: %s; teacher: %s", student.origin, teacher.origin)
     path = None
     if args.path_model:
-        path = load_model(args.path_model, dtype=args.dtype, reduced_vocab=False)
+        path = load_model(args.path_model, dtype=args.dtype, reduced_vocab=False, cpu_linear=args.cpu_linear)
         logger.info("path: greedy continuations of %s", path.origin)
     _check_same_tokenizer(teacher.tokenizer, {"student": student.tokenizer} | ({"path_model": path.tokenizer}
                                                                                 if path else {}))

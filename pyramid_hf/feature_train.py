@@ -173,8 +173,8 @@ def _save_draft(module: FeatureDistillation, folder: Path, args: FeatureDraftArg
 
 
 def qualifier_dtype(name: str, training_args) -> str:
-    """``name``, with "auto" resolved for the device training runs on (see `pyramid_hf.quantize.native_bf16`)."""
-    from .quantize import native_bf16
+    """``name``, with "auto" resolved for the device training runs on (see `pyramid_hf.cpu_kernels.native_bf16`)."""
+    from .cpu_kernels import native_bf16
 
     if name != "auto":
         return name

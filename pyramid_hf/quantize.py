@@ -18,29 +18,20 @@ Lossless: the quantized model only proposes or filters tokens; the target verifi
 weights. Top-1 agreement of the int8 0.5B with its bf16 self was 96% on library code (dynamic int8 activations,
 torch's other CPU path, kept only 75-90%: Qwen's activation outliers), so per-stage acceptance moves a little.
 
-``torch._weight_int8pack_mm`` and torch's CPU feature probes (``torch.cpu._is_amx_tile_supported``,
-``torch.cpu._is_avx512_bf16_supported``) are private torch APIs: this module is the only one that calls them, and
-``tests/test_quantize.py`` fails loudly if they disappear or change meaning.
+The int8 kernel (``torch._weight_int8pack_mm``) is a private torch API, called only through
+`pyramid_hf.cpu_kernels`.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
+from .cpu_kernels import CALIBRATION_ROWS, int8_weight_only_matmul, time_kernels
+
 MODES = ("none", "int8")
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PROBE_ROWS = 1024
 _measured_rows: dict[tuple, int] = {}  # (out, in, dtype) -> max_int8_rows, measured once per process
-
-
-def int8_weight_only_matmul(x2d: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x2d @ (weight_int8 * scales[:, None]).T`` for x2d (n, k) in bf16/fp32, weight_int8 (out, k), scales (out,)
-    bf16; the product is in x2d's dtype. The kernel always runs on bf16 activations: with float32 ones torch's
-    kernel is ~10x slower (896 x 4864, 1 row: 2.05 vs 0.20 ms here), slower even than the float32 matmul."""
-    return torch._weight_int8pack_mm(x2d.to(torch.bfloat16), weight_int8, scales).to(x2d.dtype)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,18 +41,6 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(torch.bfloat16)
     weight_int8 = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return weight_int8.contiguous(), scales
-
-
-def native_bf16(device="cpu") -> bool:
-    """Whether ``device`` multiplies bf16 matrices in hardware: CUDA with bf16 support, or a CPU with AMX or
-    AVX512-BF16. Elsewhere (e.g. AVX2-only CPUs) bf16 matmuls are emulated: a forward over k tokens costs about k
-    one-token forwards (0.5B here: 98 ms for 1 token, 557 ms for 8), so wide calls run faster in float32."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device.type != "cpu":
-        return True  # other accelerators: trust their bf16
-    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 def widest_faster(rows, float_ms, int8_ms) -> int:
@@ -74,34 +53,22 @@ def widest_faster(rows, float_ms, int8_ms) -> int:
     return best
 
 
-def _median_ms(fn, x: torch.Tensor, repeats: int) -> float:
-    fn(x)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1000
-
-
-@torch.no_grad()
 def measure_max_int8_rows(weight: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor,
-                          rows=CALIBRATION_ROWS, repeats: int = 5) -> int:
-    """How wide a call may be for int8 weights to beat ``weight``'s own matmul on this machine (0: never); measured
-    once per weight shape and dtype per process."""
+                          rows=CALIBRATION_ROWS, repeats: int = 5, float_linear=None) -> int:
+    """How wide a call may be for int8 weights to beat the float matmul on this machine (0: never); measured once
+    per weight shape, dtype and float kernel per process. ``float_linear(x, weight, bias)``: the float path the
+    layer would take otherwise (default ``nn.functional.linear``; a `pyramid_hf.cpu_linear.RoutedLinear`'s own)."""
     # the kernels' relative speed depends on the width of a call, not on how many output rows a weight has: time
     # at most PROBE_ROWS of them (a 151936-token LM head would otherwise take seconds per width in bf16)
     weight, weight_int8, scales = weight[:PROBE_ROWS], weight_int8[:PROBE_ROWS], scales[:PROBE_ROWS]
-    key = (*weight.shape, weight.dtype)
+    float_linear = float_linear or nn.functional.linear
+    key = (*weight.shape, weight.dtype) + (() if float_linear is nn.functional.linear else (repr(float_linear),))
     if key not in _measured_rows:
-        float_ms, int8_ms = [], []
-        for width in rows:
-            x = torch.randn(width, weight.shape[1], dtype=weight.dtype)
-            float_ms.append(_median_ms(lambda v: nn.functional.linear(v, weight), x, repeats))
-            int8_ms.append(_median_ms(lambda v: int8_weight_only_matmul(v, weight_int8, scales), x, repeats))
-            if int8_ms[-1] >= float_ms[-1]:
-                break
-        _measured_rows[key] = widest_faster(rows, float_ms, int8_ms)
+        timings = time_kernels({"float": lambda v: float_linear(v, weight, None),
+                                "int8": lambda v: int8_weight_only_matmul(v, weight_int8, scales)},
+                               weight.shape[1], weight.dtype, rows, repeats,
+                               stop_when=lambda t: t["int8"][-1] >= t["float"][-1])
+        _measured_rows[key] = widest_faster(rows, timings["float"], timings["int8"])
     return _measured_rows[key]
 
 
@@ -120,8 +87,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", weight_int8, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         if max_int8_rows == "auto":
-            max_int8_rows = measure_max_int8_rows(linear.weight, weight_int8, scales)
+            max_int8_rows = measure_max_int8_rows(linear.weight, weight_int8, scales,
+                                                  float_linear=getattr(linear, "float_linear", None))
         self.max_int8_rows = _check_rows(max_int8_rows)
+        if self.max_int8_rows == 0:  # int8 never wins on this machine: free its copy, keep the float path only
+            self.weight_int8, self.scales = weight_int8[:0], scales[:0]
 
     @property
     def weight(self) -> torch.Tensor:  # the original weights: for code that inspects dtype, device or shape

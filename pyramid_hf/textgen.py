@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import PyramidConfig
+from .cpu_linear import CPU_LINEAR_HELP, DTYPE_HELP, check_cpu_linear
 
 logger = logging.getLogger("pyramid_hf")
 
@@ -31,7 +32,8 @@ class GenerateArgs:
     sd_tokens: int = field(default=5, metadata={"help": "draft length for --method sd"})
     chat: bool = field(default=False, metadata={"help": "wrap the prompt in the tokenizer's chat template"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate"})
-    dtype: str = field(default="bfloat16", metadata={"help": "model dtype: bfloat16, float32, float16"})
+    dtype: str | None = field(default=None, metadata={"help": DTYPE_HELP})
+    cpu_linear: str = field(default="auto", metadata={"help": CPU_LINEAR_HELP})
     do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature (with --do_sample)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --do_sample)"})
@@ -40,6 +42,7 @@ class GenerateArgs:
     json_stats: bool = field(default=False, metadata={"help": "also print the stats as one JSON line"})
 
     def __post_init__(self):
+        check_cpu_linear(self.cpu_linear)
         if self.qualifier_quantization not in (None, "none", "int8"):
             raise ValueError(f"--qualifier_quantization must be none or int8, got {self.qualifier_quantization!r}")
         if self.method not in METHODS:
@@ -69,7 +72,7 @@ def run_generate(args: GenerateArgs, config: PyramidConfig, explicit_knobs: set,
     trio = load_trio(preset, target=args.target, qualifier=args.qualifier, draft=args.draft, dtype=args.dtype,
                      qualifier_vocab_size=args.qualifier_vocab_size,
                      qualifier_quantization=args.qualifier_quantization,
-                     need_draft=args.method == "psd")
+                     need_draft=args.method == "psd", cpu_linear=args.cpu_linear)
     config = _config_from_preset(config, explicit_knobs, preset)
     tok = trio.tokenizer
     text = args.prompt

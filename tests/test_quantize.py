@@ -1,6 +1,5 @@
 """Int8 weights for the qualifier and draft: close to the float layers, and the pyramid stays exactly lossless."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,30 +13,13 @@ from pyramid_hf.quantize import (
     CALIBRATION_ROWS,
     Int8Linear,
     int8_rows_of,
-    int8_weight_only_matmul,
     measure_max_int8_rows,
-    native_bf16,
     quantize_model,
     quantize_rows,
     widest_faster,
 )
 from pyramid_hf.textgen import GenerateArgs
 from pyramid_hf.vocab_head import ReducedVocabHead, apply_reduced_vocab
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_private_int8_kernel_still_computes_x_times_the_dequantized_weight(dtype):
-    """Guard for ``torch._weight_int8pack_mm``: fails loudly if torch drops it or changes what it computes."""
-    assert callable(getattr(torch, "_weight_int8pack_mm", None)), "torch._weight_int8pack_mm is gone"
-    g = torch.Generator().manual_seed(0)
-    weight = torch.randn(48, 64, generator=g).to(dtype)
-    x = torch.randn(3, 64, generator=g).to(dtype)
-    weight_int8, scales = quantize_rows(weight)
-    assert weight_int8.dtype == torch.int8 and scales.shape == (48,) and scales.dtype == torch.bfloat16
-    expected = x.bfloat16().float() @ (weight_int8.float() * scales.float()[:, None]).T  # on bf16 activations
-    got = int8_weight_only_matmul(x, weight_int8, scales)
-    assert got.shape == (3, 48) and got.dtype == dtype
-    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -174,29 +156,15 @@ def test_auto_width_is_measured_once_per_shape_and_used_by_the_layer(monkeypatch
     assert (quantize.PROBE_ROWS, 48, torch.float32) in quantize._measured_rows
 
 
-def test_native_bf16_reads_the_cpu_flags_through_torch_private_probes():
-    """Guard for ``torch.cpu._is_amx_tile_supported`` / ``_is_avx512_bf16_supported``: they must exist, answer a
-    bool, and agree with what the kernel reports in /proc/cpuinfo."""
-    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        assert callable(getattr(torch.cpu, probe, None)), f"torch.cpu.{probe} is gone"
-        assert isinstance(getattr(torch.cpu, probe)(), bool)
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        flags = set(next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "").split())
-        assert native_bf16("cpu") == bool({"amx_tile", "avx512_bf16"} & flags)
-    if not torch.cuda.is_available():
-        assert native_bf16("cuda") is False
-
-
 def test_training_dtype_auto_and_the_emulated_bf16_warning(monkeypatch, caplog):
     from types import SimpleNamespace
 
-    from pyramid_hf import feature_train, quantize
+    from pyramid_hf import cpu_kernels, feature_train
     from pyramid_hf.trio import _warn_emulated_bf16
 
     args = SimpleNamespace(device=torch.device("cpu"))
     for native, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(quantize, "native_bf16", lambda device, native=native: native)
+        monkeypatch.setattr(cpu_kernels, "native_bf16", lambda device, native=native: native)
         assert feature_train.qualifier_dtype("auto", args) == expected
         assert feature_train.qualifier_dtype("float16", args) == "float16"
         caplog.clear()

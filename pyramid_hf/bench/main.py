@@ -6,6 +6,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..cpu_linear import CPU_LINEAR_HELP, DTYPE_HELP, check_cpu_linear
 from .methods import ALL_METHODS, default_grid
 from .runner import GenerationSettings, Prompt, Runner
 from .summary import analytic_speedup, summarize
@@ -88,7 +89,8 @@ class BenchArgs:
     tune_limit: int = field(default=2, metadata={"help": "dev prompts for the draft-length sweep (0: no sweep)"})
     methods: str = field(default=",".join(ALL_METHODS), metadata={"help": "comma-separated methods to run"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens per completion"})
-    dtype: str = field(default="bfloat16", metadata={"help": "model dtype: bfloat16, float32, float16"})
+    dtype: str | None = field(default=None, metadata={"help": DTYPE_HELP})
+    cpu_linear: str = field(default="auto", metadata={"help": CPU_LINEAR_HELP})
     do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature (with --do_sample)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --do_sample)"})
@@ -107,6 +109,7 @@ class BenchArgs:
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
 
     def __post_init__(self):
+        check_cpu_linear(self.cpu_linear)
         if self.qualifier_quantization not in (None, "none", "int8"):
             raise ValueError(f"--qualifier_quantization must be none or int8, got {self.qualifier_quantization!r}")
         unknown = sorted(set(self.method_list) - set(ALL_METHODS))
@@ -177,7 +180,9 @@ def run_bench(args: BenchArgs, command: str | None = None) -> dict[str, Path]:
     need_draft = bool({"psd", "psd_a", "psd_f", "sd_draft"} & set(args.method_list))
     trio = load_trio(preset, target=args.target, qualifier=args.qualifier, draft=args.draft,
                      dtype=args.dtype, qualifier_vocab_size=args.qualifier_vocab_size,
-                     qualifier_quantization=args.qualifier_quantization, need_draft=need_draft)
+                     qualifier_quantization=args.qualifier_quantization, need_draft=need_draft,
+                     cpu_linear=args.cpu_linear)
+    args.dtype = str(next(trio.target.parameters()).dtype).removeprefix("torch.")  # recorded as resolved
     test_tasks = load_tasks(args.split, args.limit)
     dev_tasks = load_tasks("dev", args.tune_limit) if args.tune_limit else []
     if args.split != "test" and dev_tasks:

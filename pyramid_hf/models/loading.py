@@ -86,19 +86,31 @@ def _has_tokenizer(folder: Path) -> bool:
 
 
 def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: str | None = None,
-               reduced_vocab: bool = True) -> LoadedModel:
+               reduced_vocab: bool = True, cpu_linear: str = "auto") -> LoadedModel:
     """Load a causal LM and its tokenizer from ``source`` (see module docstring).
 
     A folder written by `FeatureDraft.save` loads as that `FeatureDraft` (it runs only under its qualifier).
 
     A local folder with a ``reduced_vocab.json`` sidecar gets its reduced-vocabulary LM head
     (`pyramid_hf.vocab_head`) unless ``reduced_vocab=False``.
+
+    ``cpu_linear`` (``"auto"``, ``"onednn"``, ``"torch"``): float32 linears on CPU run their no-grad calls on oneDNN
+    where it measured faster than torch's default kernel (`pyramid_hf.cpu_linear`); training is untouched.
     """
+    from ..cpu_linear import route_linears
+
+    loaded = _load(source, resolve_dtype(dtype), device_map, offline_fallback, reduced_vocab)
+    routed = route_linears(loaded.model, cpu_linear)
+    if routed["layers"]:
+        loaded.origin += f" (float32 linears on oneDNN at call widths {routed['widths']}, measured on this CPU)"
+    return loaded
+
+
+def _load(source: str, dtype, device_map, offline_fallback: str | None, reduced_vocab: bool) -> LoadedModel:
     from transformers import AutoTokenizer
 
     from ..feature_draft import FeatureDraft, is_feature_folder
 
-    dtype = resolve_dtype(dtype)
     path = Path(source).expanduser()
     if source.endswith(".gguf"):
         if not path.is_file():

@@ -1,0 +1,149 @@
+"""Float32 linears routed to oneDNN: chosen per measured width, same outputs, and the pyramid stays exactly lossless."""
+
+import pytest
+import torch
+from tiny import VOCAB, save_tiny_folders, tiny_model, tiny_trio
+from torch import nn
+
+from pyramid_hf import PyramidAssistant, PyramidConfig
+from pyramid_hf.bench.main import BenchArgs
+from pyramid_hf.cpu_kernels import CALIBRATION_ROWS
+from pyramid_hf.cpu_linear import (
+    PROBE_OUT_FEATURES,
+    RoutedLinear,
+    covering_width,
+    measure_onednn_widths,
+    onednn_wins,
+    route_linears,
+)
+from pyramid_hf.quantize import Int8Linear, quantize_model
+from pyramid_hf.textgen import GenerateArgs
+
+
+def _ids(seed, n=6):
+    return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_covering_width_and_the_winning_rule():
+    assert [covering_width(r) for r in (1, 2, 3, 5, 8, 9, 64, 65, 300)] == [1, 2, 4, 8, 8, 16, 64, 64, 64]
+    rows = (1, 2, 4, 8)
+    # an AVX2 EPYC: MKL's narrow calls are slow, oneDNN wins from one row up
+    assert onednn_wins(rows, [3.6, 7.3, 11.9, 12.3], [2.4, 4.4, 4.4, 4.5]) == {1, 2, 4, 8}
+    # a CPU where torch's default is as good: within 5% is not worth a switch
+    assert onednn_wins(rows, [3.0, 3.1, 3.2, 3.4], [2.9, 3.0, 3.3, 2.0]) == {8}
+    assert onednn_wins((), [], []) == frozenset()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_routed_linear_matches_the_float_layer_and_routes_only_what_it_should(bias, monkeypatch):
+    from pyramid_hf import cpu_linear
+
+    torch.manual_seed(0)
+    layer, reference = nn.Linear(64, 40, bias=bias), nn.Linear(64, 40, bias=bias)
+    reference.load_state_dict(layer.state_dict())
+    monkeypatch.setattr(cpu_linear, "measure_onednn_widths", lambda weight: frozenset({1, 2}))
+    assert route_linears(nn.Sequential(layer)) == {"layers": 1, "widths": [1, 2]}
+    assert type(layer) is RoutedLinear and set(layer.state_dict()) == set(reference.state_dict())
+    used = []
+    monkeypatch.setattr(cpu_linear, "onednn_linear", lambda *a: used.append(a[0].shape) or nn.functional.linear(*a))
+    with torch.no_grad():
+        for shape in ((1, 1, 64), (1, 2, 64), (1, 3, 64), (7, 64)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+        layer(torch.randn(2, 64, dtype=torch.float64).float())
+    assert used == [(1, 1, 64), (1, 2, 64), (2, 64)]  # widths 1 and 2 only
+    x = torch.randn(1, 64, requires_grad=True)
+    layer(x).sum().backward()  # with gradients on: torch's own, differentiable path
+    assert len(used) == 3 and x.grad is not None
+
+
+def test_route_linears_modes_and_what_it_leaves_alone(monkeypatch):
+    from pyramid_hf import cpu_linear
+
+    with pytest.raises(ValueError, match="unknown cpu_linear 'mkl'; choose from auto, onednn, torch"):
+        route_linears(tiny_model("llama", 32, 2), "mkl")
+    assert route_linears(tiny_model("llama", 32, 2), "torch") == {"layers": 0, "widths": []}
+    assert route_linears(tiny_model("llama", 32, 2).to(torch.bfloat16), "onednn")["layers"] == 0  # float32 only
+    model = tiny_model("llama", 32, 2)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert route_linears(model, "onednn") == {"layers": linears, "widths": list(CALIBRATION_ROWS)}
+    monkeypatch.setattr(cpu_linear, "measure_onednn_widths", lambda weight: frozenset())  # never faster here
+    untouched = tiny_model("llama", 32, 2)
+    assert route_linears(untouched, "auto")["layers"] == 0
+    assert not any(isinstance(m, RoutedLinear) for m in untouched.modules())
+    with pytest.raises(ValueError, match="unknown cpu_linear 'fast'"):
+        GenerateArgs(prompt="x", cpu_linear="fast")
+    with pytest.raises(ValueError, match="unknown cpu_linear 'fast'"):
+        BenchArgs(out="x", cpu_linear="fast")
+
+
+def test_widths_are_measured_once_per_shape(monkeypatch):
+    from pyramid_hf import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_measured", {})
+    widths = measure_onednn_widths(torch.randn(48, 32), rows=(1, 2), repeats=1)
+    assert widths <= {1, 2} and cpu_linear._measured == {(48, 32): widths}
+    cpu_linear._measured[(48, 32)] = frozenset({4})  # a second layer of that shape reads the measurement
+    assert measure_onednn_widths(torch.randn(48, 32)) == {4}
+    measure_onednn_widths(torch.randn(PROBE_OUT_FEATURES + 10, 8), rows=(1,), repeats=1)
+    assert (PROBE_OUT_FEATURES, 8) in cpu_linear._measured  # only the first PROBE_OUT_FEATURES rows are timed
+
+
+def test_int8_layers_time_themselves_against_the_routed_float_path(monkeypatch):
+    from pyramid_hf import quantize
+
+    seen = []
+    monkeypatch.setattr(quantize, "measure_max_int8_rows",
+                        lambda *a, float_linear=None, **k: seen.append(float_linear) or 4)
+    model = tiny_model("llama", 32, 2)
+    route_linears(model, "onednn")
+    quantize_model(model, "int8")
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(isinstance(m.linear, RoutedLinear) for m in layers)
+    assert all(fn is not None and fn.keywords["onednn_widths"] == frozenset(CALIBRATION_ROWS) for fn in seen)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("draft_kind", ["model", "ngram_lookup"])
+@pytest.mark.parametrize("seed,max_new,l_d,l_q", [(0, 1, 1, 1), (1, 21, 3, 5), (2, 40, 4, 8)])
+def test_pyramid_on_routed_models_matches_routed_target_greedy(arch, draft_kind, seed, max_new, l_d, l_q):
+    """All three models routed to oneDNN at every width (fp32): PSD exact reproduces the target's greedy tokens."""
+    target, qualifier, draft = tiny_trio(arch, seed=60 + seed, init=0.5)
+    before = target(_ids(seed)).logits
+    for model in (target, qualifier, draft):
+        assert route_linears(model, "onednn")["layers"] > 0
+    with torch.no_grad():
+        torch.testing.assert_close(target(_ids(seed)).logits, before, rtol=1e-4, atol=1e-4)
+    draft = draft if draft_kind == "model" else "prompt_lookup"
+    expected = target.generate(_ids(seed), do_sample=False, max_new_tokens=max_new)
+    assistant = PyramidAssistant(qualifier, draft, PyramidConfig(draft_tokens=l_d, qualifier_tokens=l_q))
+    got = target.generate(_ids(seed), assistant_model=assistant, do_sample=False, max_new_tokens=max_new)
+    assert torch.equal(got, expected), f"{got.tolist()} != {expected.tolist()}"
+
+
+def test_load_trio_routes_float32_models_and_picks_the_dtype(tmp_path, monkeypatch, caplog):
+    from pyramid_hf import cpu_kernels, cpu_linear
+    from pyramid_hf.trio import default_dtype, load_trio
+
+    monkeypatch.setenv("PYRAMID_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_linear, "measure_onednn_widths", lambda weight: frozenset({1, 2, 4, 8}))
+    target, qualifier, draft = tiny_trio("qwen2", seed=8)
+    folders = save_tiny_folders(tmp_path, target=target, qualifier=qualifier, draft=draft)
+    with caplog.at_level("INFO", logger="pyramid_hf"):
+        trio = load_trio(None, **folders, dtype="float32")
+    for role in ("target", "qualifier", "draft"):
+        model = getattr(trio, role)
+        assert any(isinstance(m, RoutedLinear) for m in model.modules()), role
+        assert "oneDNN at call widths [1, 2, 4, 8]" in trio.origins[role]
+    assert any("float32 linears on oneDNN" in r.getMessage() for r in caplog.records)
+    plain = load_trio(None, **folders, dtype="float32", cpu_linear="torch")
+    assert not any(isinstance(m, RoutedLinear) for m in plain.target.modules())
+    ids = _ids(3)
+    expected = plain.target.generate(ids, do_sample=False, max_new_tokens=20)
+    got = trio.target.generate(ids, do_sample=False, max_new_tokens=20, assistant_model=PyramidAssistant(
+        trio.qualifier, trio.draft, PyramidConfig(draft_tokens=3, qualifier_tokens=4)))
+    assert torch.equal(got, expected)
+    for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(cpu_kernels, "native_bf16", lambda device, native=native: native)
+        assert default_dtype() == str(dtype).removeprefix("torch.")
+        assert next(load_trio(None, **folders).target.parameters()).dtype == dtype

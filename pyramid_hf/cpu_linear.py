@@ -9,7 +9,8 @@ of 8 then costs 1.7 one-token forwards instead of 3.1, which is what speculative
 Which kernel wins depends on the CPU (MKL is tuned for Intel's), so ``cpu_linear="auto"`` times both, once per
 weight shape and process, at 1, 2, 4 ... 64 rows (at most ``PROBE_OUT_FEATURES`` output rows: a 151936-token head
 would take seconds), and a `RoutedLinear` sends a call to oneDNN when oneDNN was faster at the measured width that
-covers it. Only float32 weights on CPU, only without gradients: training and other dtypes run as before.
+covers it; a reduced-vocabulary LM head (`pyramid_hf.vocab_head`) is routed the same way. Only float32 weights on
+CPU, only without gradients: training and other dtypes run as before.
 
 Exactness: oneDNN computes the same float32 product with another summation order (logits of the 1.5B differ by
 <1e-4, the same size as MKL's own differences between a 1-row and an 8-row call). Every method in a run, target-only
@@ -93,20 +94,35 @@ class RoutedLinear(nn.Linear):
         return f"{super().extra_repr()}, onednn at widths {sorted(self.onednn_widths)}"
 
 
+def as_routed(linear: nn.Linear, onednn_widths: frozenset) -> RoutedLinear:
+    """``linear`` itself, made a `RoutedLinear` (same object, parameters and hooks: only forward changes)."""
+    linear.__class__ = RoutedLinear
+    linear.onednn_widths = frozenset(onednn_widths)
+    return linear
+
+
 def route_linears(model: nn.Module, mode: str = "auto") -> dict:
-    """Route ``model``'s float32 CPU ``nn.Linear`` layers to oneDNN, in place: ``"auto"`` at the call widths where it
-    measured faster here, ``"onednn"`` always, ``"torch"`` never. Returns ``{"layers": n, "widths": [...]}``: how
-    many layers route at least one width, and the union of those widths."""
+    """Route ``model``'s float32 CPU ``nn.Linear`` layers (and a reduced-vocabulary LM head) to oneDNN, in place:
+    ``"auto"`` at the call widths where it measured faster here, ``"onednn"`` always, ``"torch"`` never; layers
+    already routed are left as they are. Returns ``{"layers": n, "widths": [...]}``: how many layers route at least
+    one width, and the union of those widths."""
+    from .vocab_head import ReducedVocabHead
+
     if check_cpu_linear(mode) == "torch":
         return {"layers": 0, "widths": []}
     layers, widths = 0, set()
-    for module in model.modules():
-        if type(module) is not nn.Linear or module.weight.dtype != torch.float32 or module.weight.device.type != "cpu":
-            continue
-        chosen = frozenset(CALIBRATION_ROWS) if mode == "onednn" else measure_onednn_widths(module.weight)
-        if chosen:
-            module.__class__ = RoutedLinear  # same object, parameters and hooks: only forward changes
+    for module in list(model.modules()):
+        if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+            chosen = frozenset(CALIBRATION_ROWS) if mode == "onednn" else measure_onednn_widths(module.weight)
+            if chosen:
+                as_routed(module, chosen)
+        elif (isinstance(module, ReducedVocabHead) and module.kept_linear is None and not module.onednn_widths
+              and module.kept_weight.dtype == torch.float32 and module.kept_weight.device.type == "cpu"):
+            chosen = frozenset(CALIBRATION_ROWS) if mode == "onednn" else measure_onednn_widths(module.kept_weight)
             module.onednn_widths = chosen
+        else:
+            continue
+        if chosen:
             layers += 1
             widths |= chosen
     return {"layers": layers, "widths": sorted(widths)}

@@ -60,6 +60,7 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
     ``cpu_linear`` (``"auto"``, ``"onednn"``, ``"torch"``) routes float32 CPU linears of all three models to oneDNN
     where it measured faster than torch's default kernel (`pyramid_hf.cpu_linear`).
     """
+    from .cpu_linear import route_linears
     from .models import load_model
 
     sources = {
@@ -88,6 +89,7 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
         qualifier_vocab_size = getattr(preset, "qualifier_vocab_size", None) or 0
     if qualifier_vocab_size:
         _reduce_qualifier(loaded["qualifier"], tokenizer, qualifier_vocab_size)
+        route_linears(loaded["qualifier"].model, cpu_linear)  # the new head
     _quantize_qualifier(loaded["qualifier"], qualifier_quantization or getattr(preset, "qualifier_quantization", "none"))
     if "draft" in loaded:
         draft_obj = loaded["draft"].model

@@ -147,3 +147,25 @@ def test_load_trio_routes_float32_models_and_picks_the_dtype(tmp_path, monkeypat
         monkeypatch.setattr(cpu_kernels, "native_bf16", lambda device, native=native: native)
         assert default_dtype() == str(dtype).removeprefix("torch.")
         assert next(load_trio(None, **folders).target.parameters()).dtype == dtype
+
+
+def test_a_reduced_vocab_head_is_routed_too_and_stays_routed_under_int8():
+    from pyramid_hf.vocab_head import ReducedVocabHead, apply_reduced_vocab
+
+    model = tiny_model("qwen2", 32, 2, seed=3)
+    first = route_linears(model, "onednn")["layers"]
+    ids = _ids(4)
+    with torch.no_grad():
+        full = model(ids).logits
+    apply_reduced_vocab(model, torch.arange(0, VOCAB, 2))
+    head = model.get_output_embeddings()
+    assert isinstance(head, ReducedVocabHead) and not head.onednn_widths
+    assert route_linears(model, "onednn") == {"layers": 1, "widths": list(CALIBRATION_ROWS)}  # only the new head
+    assert head.onednn_widths == frozenset(CALIBRATION_ROWS) and first > 1
+    with torch.no_grad():
+        reduced = model(ids).logits
+    torch.testing.assert_close(reduced[..., ::2], full[..., ::2], rtol=1e-4, atol=1e-4)
+    assert torch.isinf(reduced[..., 1::2]).all()
+    quantize_model(model, "int8", max_int8_rows=2)
+    assert isinstance(head.kept_linear, Int8Linear) and isinstance(head.kept_linear.linear, RoutedLinear)
+    assert route_linears(model, "onednn")["layers"] == 0  # everything is routed already

@@ -32,6 +32,14 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN and its linear op (ARM and other builds may lack either)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def native_bf16(device="cpu") -> bool:
     """Whether ``device`` multiplies bf16 matrices in hardware: CUDA with bf16 support, or a CPU with AMX or
     AVX512-BF16. Elsewhere (e.g. AVX2-only CPUs) bf16 matmuls are emulated: a forward over k tokens costs about k

@@ -26,7 +26,7 @@ import logging
 import torch
 from torch import nn
 
-from .cpu_kernels import CALIBRATION_ROWS, onednn_linear, time_kernels
+from .cpu_kernels import CALIBRATION_ROWS, onednn_available, onednn_linear, time_kernels
 
 logger = logging.getLogger("pyramid_hf")
 
@@ -69,10 +69,14 @@ def measure_onednn_widths(weight: torch.Tensor, rows=CALIBRATION_ROWS, repeats: 
     weight = weight.detach()[:PROBE_OUT_FEATURES]
     key = tuple(weight.shape)
     if key not in _measured:
-        timings = time_kernels({"torch": lambda v: nn.functional.linear(v, weight),
-                                "onednn": lambda v: onednn_linear(v, weight, None)},
-                               weight.shape[1], torch.float32, rows, repeats)
-        _measured[key] = onednn_wins(rows, timings["torch"], timings["onednn"])
+        try:
+            timings = time_kernels({"torch": lambda v: nn.functional.linear(v, weight),
+                                    "onednn": lambda v: onednn_linear(v, weight, None)},
+                                   weight.shape[1], torch.float32, rows, repeats)
+            _measured[key] = onednn_wins(rows, timings["torch"], timings["onednn"])
+        except RuntimeError as error:  # a build whose oneDNN cannot run this op: keep torch's kernel
+            logger.info("oneDNN linear unavailable for %s weights (%s): torch's kernel kept", key, error)
+            _measured[key] = frozenset()
     return _measured[key]
 
 
@@ -108,8 +112,11 @@ def route_linears(model: nn.Module, mode: str = "auto") -> dict:
     one width, and the union of those widths."""
     from .vocab_head import ReducedVocabHead
 
-    if check_cpu_linear(mode) == "torch":
+    if check_cpu_linear(mode) == "torch" or (mode == "auto" and not onednn_available()):
         return {"layers": 0, "widths": []}
+    if not onednn_available():
+        raise RuntimeError("cpu_linear='onednn' needs a torch build with oneDNN (torch.backends.mkldnn); this one "
+                           "has none: use cpu_linear='auto' or 'torch'")
     layers, widths = 0, set()
     for module in list(model.modules()):
         if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":

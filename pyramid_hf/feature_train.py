@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .cpu_linear import check_cpu_linear
 from .feature_draft import FeatureDraft
 
 logger = logging.getLogger("pyramid_hf")
@@ -33,6 +34,8 @@ class FeatureDraftArguments:
     qualifier_dtype: str = field(default="auto", metadata={
         "help": "the frozen qualifier's dtype; auto: bfloat16 where the hardware multiplies bf16 natively (GPU, CPU "
                 "with AMX / AVX512-BF16), float32 elsewhere (an AVX2-only CPU emulates bf16: 4.5x slower steps)"})
+    cpu_linear: str = field(default="auto", metadata={"help": "the frozen qualifier's float32 linears on CPU: auto "
+                                                              "(oneDNN where measured faster), onednn, torch"})
     init_from: str | None = field(default=None, metadata={"help": "continue from a saved feature-draft folder"})
     init_layer: int = field(default=-1, metadata={"help": "qualifier decoder layer copied into a new draft"})
     texts: str = field(default="stdlib-code", metadata={"help": "training text: 'stdlib-code' (offline: the Python "
@@ -50,6 +53,7 @@ class FeatureDraftArguments:
     unroll_steps: int = field(default=2, metadata={"help": "passes per step; pass s > 1 reads pass s-1's features"})
 
     def __post_init__(self):
+        check_cpu_linear(self.cpu_linear)
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}")
         if self.unroll_steps < 1:
@@ -195,7 +199,7 @@ def train(args: FeatureDraftArguments, training_args, *, qualifier=None, tokeniz
 
     if qualifier is None:
         loaded = load_model(args.qualifier, dtype=qualifier_dtype(args.qualifier_dtype, training_args),
-                            reduced_vocab=False)
+                            reduced_vocab=False, cpu_linear=args.cpu_linear)
         qualifier, tokenizer = loaded.model, loaded.tokenizer
         logger.info("qualifier: %s", loaded.origin)
     if tokenizer is None:

@@ -10,6 +10,7 @@ from pyramid_hf.cpu_kernels import (
     CALIBRATION_ROWS,
     int8_weight_only_matmul,
     native_bf16,
+    onednn_available,
     onednn_linear,
     time_kernels,
 )
@@ -53,6 +54,7 @@ def test_private_onednn_linear_still_computes_a_float32_linear(shape, bias):
     """Guard for ``torch.ops.mkldnn._linear_pointwise``: same product as ``nn.functional.linear`` for 2D and 3D
     inputs, with and without bias."""
     assert hasattr(torch.ops.mkldnn, "_linear_pointwise"), "torch.ops.mkldnn._linear_pointwise is gone"
+    assert onednn_available() == torch.backends.mkldnn.is_available()
     g = torch.Generator().manual_seed(1)
     weight, x = torch.randn(40, 64, generator=g), torch.randn(*shape, generator=g)
     b = torch.randn(40, generator=g) if bias else None

@@ -169,3 +169,24 @@ def test_a_reduced_vocab_head_is_routed_too_and_stays_routed_under_int8():
     quantize_model(model, "int8", max_int8_rows=2)
     assert isinstance(head.kept_linear, Int8Linear) and isinstance(head.kept_linear.linear, RoutedLinear)
     assert route_linears(model, "onednn")["layers"] == 0  # everything is routed already
+
+
+def test_builds_without_onednn_keep_torchs_kernel(monkeypatch):
+    from pyramid_hf import cpu_linear
+    from pyramid_hf.feature_train import FeatureDraftArguments
+
+    monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
+    model = tiny_model("llama", 32, 2)
+    assert route_linears(model, "auto") == {"layers": 0, "widths": []}
+    with pytest.raises(RuntimeError, match="cpu_linear='onednn' needs a torch build with oneDNN"):
+        route_linears(model, "onednn")
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_linear, "_measured", {})
+
+    def broken(*args):
+        raise RuntimeError("mkldnn not supported on this platform")
+
+    monkeypatch.setattr(cpu_linear, "onednn_linear", broken)
+    assert measure_onednn_widths(torch.randn(48, 32), rows=(1,), repeats=1) == frozenset()
+    with pytest.raises(ValueError, match="unknown cpu_linear 'fast'"):
+        FeatureDraftArguments(cpu_linear="fast")

@@ -53,11 +53,20 @@ class EvalAcceptanceArgs:
                 "target to score a draft:qualifier pair on the text it meets inside the pyramid"})
     dtype: str | None = field(default=None, metadata={"help": DTYPE_HELP})
     cpu_linear: str = field(default="auto", metadata={"help": CPU_LINEAR_HELP})
+    student_quantization: str | None = field(default=None, metadata={
+        "help": "none or int8 (int8 weights for narrow calls, as the pyramid runs its qualifier); default: the "
+                "preset's qualifier_quantization when the student is the preset's qualifier, else none"})
+    teacher_quantization: str | None = field(default=None, metadata={
+        "help": "none or int8, as --student_quantization, for the teacher"})
     latency_repeats: int = field(default=5, metadata={"help": "timed repeats per latency (median); 0 skips timing"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self):
         check_cpu_linear(self.cpu_linear)
+        for side in ("student", "teacher"):
+            if getattr(self, f"{side}_quantization") not in (None, "none", "int8"):
+                raise ValueError(f"--{side}_quantization must be none or int8, got "
+                                 f"{getattr(self, f'{side}_quantization')!r}")
         if not (self.student and self.teacher) and self.pair not in PAIRS:
             raise ValueError(f"--pair must be one of {PAIRS}, got {self.pair!r}")
         if bool(self.student) != bool(self.teacher):
@@ -302,12 +311,31 @@ def load_report(path: str | Path) -> tuple[dict, dict]:
 # ---------------------------------------------------------------------------- command
 
 
+def pair_quantization(args: EvalAcceptanceArgs, roles: dict) -> dict[str, str]:
+    """``{"student": mode, "teacher": mode}``: the flags where given, else the preset's ``qualifier_quantization`` for
+    the side that is its qualifier (what decoding runs), else "none"."""
+    preset_mode = getattr(roles.get("preset"), "qualifier_quantization", "none")
+    return {side: getattr(args, f"{side}_quantization") or (preset_mode if roles.get(side) == "qualifier" else "none")
+            for side in ("student", "teacher")}
+
+
+def _quantize_side(side: str, loaded, mode: str) -> None:
+    from .quantize import int8_rows_of, quantize_model
+
+    if quantize_model(loaded.model, mode):
+        used = [r for r in int8_rows_of(loaded.model) if r]
+        loaded.origin += (f" (int8 weights for calls of <= {max(used)} tokens in {len(used)} layers)" if used else
+                          " (int8 never faster than its float weights on this CPU: unused)")
+        logger.info("%s: %s", side, loaded.origin)
+
+
 def run_eval_acceptance(args: EvalAcceptanceArgs, command: str | None = None) -> dict[str, Path]:
     """Measure and write OUT/acceptance.json + .md; ``command`` (the command line) is recorded."""
     from .bench.humaneval import load_tasks
     from .models import get_preset, load_model
     from .trio import _check_same_tokenizer, default_dtype
 
+    roles = {}
     if args.student:
         student_source, teacher_source = args.student, args.teacher
     else:
@@ -318,9 +346,12 @@ def run_eval_acceptance(args: EvalAcceptanceArgs, command: str | None = None) ->
             raise ValueError(f"preset {preset.name!r} has no model {student_role} ({specs[student_role]}); "
                              "pick another --pair or pass --student")
         student_source, teacher_source = specs[student_role].source, specs[teacher_role].source
+        roles = {"student": student_role, "teacher": teacher_role, "preset": preset}
     args.dtype = args.dtype or default_dtype()
     student = load_model(student_source, dtype=args.dtype, cpu_linear=args.cpu_linear)
     teacher = load_model(teacher_source, dtype=args.dtype, reduced_vocab=False, cpu_linear=args.cpu_linear)
+    for side, loaded in (("student", student), ("teacher", teacher)):
+        _quantize_side(side, loaded, pair_quantization(args, roles)[side])
     logger.info("student: %s; teacher: %s", student.origin, teacher.origin)
     path = None
     if args.path_model:

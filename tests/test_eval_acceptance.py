@@ -99,6 +99,8 @@ def test_command_end_to_end(tmp_path):
     ({"taus": "0.1,0.9"}, "outside the range"),
     ({"taus": "a"}, "comma-separated numbers"),
     ({"dataset": "mbpp"}, "unknown dataset"),
+    ({"student_quantization": "int4"}, "--student_quantization must be none or int8"),
+    ({"teacher_quantization": "fp8"}, "--teacher_quantization must be none or int8"),
 ])
 def test_bad_arguments(tmp_path, kw, match):
     base = {"out": str(tmp_path), "preset": "qwen-coder-cpu", "student": "s", "teacher": "t"}
@@ -121,3 +123,32 @@ def test_a_path_model_changes_the_text_not_the_rule(tmp_path):
     other = measure(student, teacher, _prompts(), args, path_model=writer)
     assert other["mean_tv"] != pytest.approx(own["mean_tv"])  # another text was scored
     assert measure(teacher, teacher, _prompts(), args, path_model=writer)["acceptance_exact_greedy"] == 1.0
+
+
+def test_the_qualifier_side_follows_the_preset_quantization_unless_told(tmp_path):
+    from types import SimpleNamespace
+
+    from pyramid_hf.eval_acceptance import pair_quantization
+
+    preset = SimpleNamespace(qualifier_quantization="int8")
+    pair = {"student": "qualifier", "teacher": "target", "preset": preset}
+    assert pair_quantization(_args(tmp_path), pair) == {"student": "int8", "teacher": "none"}
+    assert pair_quantization(_args(tmp_path), pair | {"student": "draft", "teacher": "qualifier"}) == {
+        "student": "none", "teacher": "int8"}
+    assert pair_quantization(_args(tmp_path, student_quantization="none"), pair)["student"] == "none"
+    assert pair_quantization(_args(tmp_path, teacher_quantization="int8"), {}) == {"student": "none",
+                                                                                 "teacher": "int8"}
+
+
+def test_a_quantized_student_end_to_end(tmp_path):
+    for name, seed in (("student", 1), ("teacher", 2)):
+        tiny_model("qwen2", seed=seed).save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    out = tmp_path / "acc"
+    rc = main(["eval-acceptance", "--preset", "", "--student", str(tmp_path / "student"), "--teacher",
+               str(tmp_path / "teacher"), "--limit", "1", "--max-new-tokens", "6", "--latency_repeats", "0",
+               "--dtype", "float32", "--student_quantization", "int8", "--out", str(out)])
+    assert rc == 0
+    config, result = load_report(out / "acceptance.json")
+    assert "int8" in config["origins"]["student"] and "int8" not in config["origins"]["teacher"]
+    assert result["positions"] == 6

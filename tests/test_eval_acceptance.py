@@ -74,11 +74,16 @@ def test_a_different_model_is_not(tmp_path):
     assert taus == sorted(taus) and accepted == sorted(accepted)  # a larger tau never accepts less
 
 
-def test_command_end_to_end(tmp_path):
+def _save_pair(tmp_path):
+    """A tiny student and teacher as local folders under ``tmp_path``; returns the report folder to use."""
     for name, seed in (("student", 1), ("teacher", 2)):
         tiny_model("qwen2", seed=seed).save_pretrained(tmp_path / name)
         tiny_tokenizer().save_pretrained(tmp_path / name)
-    out = tmp_path / "acc"
+    return tmp_path / "acc"
+
+
+def test_command_end_to_end(tmp_path):
+    out = _save_pair(tmp_path)
     rc = main(["eval-acceptance", "--preset", "", "--student", str(tmp_path / "student"), "--teacher",
                str(tmp_path / "teacher"), "--limit", "2", "--max-new-tokens", "8", "--draft-tokens", "3",
                "--latency_repeats", "1", "--dtype", "float32", "--out", str(out)])
@@ -141,10 +146,7 @@ def test_the_qualifier_side_follows_the_preset_quantization_unless_told(tmp_path
 
 
 def test_a_quantized_student_end_to_end(tmp_path):
-    for name, seed in (("student", 1), ("teacher", 2)):
-        tiny_model("qwen2", seed=seed).save_pretrained(tmp_path / name)
-        tiny_tokenizer().save_pretrained(tmp_path / name)
-    out = tmp_path / "acc"
+    out = _save_pair(tmp_path)
     rc = main(["eval-acceptance", "--preset", "", "--student", str(tmp_path / "student"), "--teacher",
                str(tmp_path / "teacher"), "--limit", "1", "--max-new-tokens", "6", "--latency_repeats", "0",
                "--dtype", "float32", "--student_quantization", "int8", "--out", str(out)])

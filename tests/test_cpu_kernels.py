@@ -61,6 +61,11 @@ def test_private_onednn_linear_still_computes_a_float32_linear(shape, bias):
     got = onednn_linear(x, weight, b)
     assert got.shape == (*shape[:-1], 40) and got.dtype == torch.float32
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    if len(shape) == 3:  # views, as an LM head sees with logits_to_keep: strided, not contiguous
+        for view in (x[:, -1:], x[:, ::2], x.transpose(0, 1)):
+            assert not view.is_contiguous() or view.shape[1] == 1
+            torch.testing.assert_close(onednn_linear(view, weight, b), torch.nn.functional.linear(view, weight, b),
+                                       rtol=1e-5, atol=1e-5)
 
 
 def test_time_kernels_interleaves_widths_and_stops_when_told():

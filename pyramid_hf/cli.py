@@ -178,7 +178,10 @@ def models(argv: list[str]) -> int:
     build_parser.add_argument("--force", action="store_true", help="rerun steps whose output exists")
     ns = parser.parse_args(argv)
     if ns.action == "list":
+        from .trio import hardware_summary
+
         print(list_presets_table())
+        print(hardware_summary())
         return 0
     if ns.action == "build":
         from .models.build import get_plan, run_plan

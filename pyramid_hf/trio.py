@@ -114,6 +114,21 @@ def default_dtype(device_map=None) -> str:
     return "bfloat16" if native_bf16("cuda" if on_gpu else "cpu") else "float32"
 
 
+def hardware_summary() -> str:
+    """One line on what this machine makes the defaults: the dtype, and whether float32 CPU linears can use oneDNN."""
+    import torch
+
+    from .cpu_kernels import native_bf16, onednn_available
+
+    gpu = torch.cuda.is_available()
+    where = "GPU" if gpu else "CPU"
+    units = "in hardware" if native_bf16("cuda" if gpu else "cpu") else "emulated (no AMX / AVX512-BF16)"
+    onednn = ("oneDNN available: --cpu_linear auto times it against torch's kernel per weight shape at load"
+              if onednn_available() else "no oneDNN in this torch build: torch's kernel")
+    return (f"this machine: bf16 matmuls on the {where} {units} -> default --dtype {default_dtype('auto' if gpu else None)}; "
+            f"float32 CPU linears: {onednn}")
+
+
 def _warn_emulated_bf16(target) -> None:
     import torch
 

@@ -190,3 +190,23 @@ def test_builds_without_onednn_keep_torchs_kernel(monkeypatch):
     assert measure_onednn_widths(torch.randn(48, 32), rows=(1,), repeats=1) == frozenset()
     with pytest.raises(ValueError, match="unknown cpu_linear 'fast'"):
         FeatureDraftArguments(cpu_linear="fast")
+
+
+def test_models_list_says_what_this_machine_makes_the_defaults(monkeypatch, capsys):
+    from pyramid_hf import cpu_kernels
+    from pyramid_hf.cli import main
+    from pyramid_hf.trio import hardware_summary
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda device: False)
+    monkeypatch.setattr(cpu_kernels, "onednn_available", lambda: True)
+    line = hardware_summary()
+    assert "bf16 matmuls on the CPU emulated" in line and "default --dtype float32" in line
+    assert "oneDNN available" in line
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda device: True)
+    monkeypatch.setattr(cpu_kernels, "onednn_available", lambda: False)
+    line = hardware_summary()
+    assert "in hardware -> default --dtype bfloat16" in line and "no oneDNN in this torch build" in line
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "this machine:" in out and "qwen-coder-cpu" in out.split("this machine:")[0]

@@ -58,7 +58,7 @@ def onednn_wins(rows, torch_ms, onednn_ms) -> frozenset:
 
 def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, onednn_widths: frozenset) -> torch.Tensor:
     """``nn.functional.linear``, on oneDNN when the call's covering width is one of ``onednn_widths``."""
-    if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
+    if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0
             or covering_width(x.numel() // x.shape[-1]) not in onednn_widths):
         return nn.functional.linear(x, weight, bias)
     return onednn_linear(x, weight, bias)

@@ -51,6 +51,7 @@ def test_routed_linear_matches_the_float_layer_and_routes_only_what_it_should(bi
             x = torch.randn(*shape)
             torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
         layer(torch.randn(2, 64, dtype=torch.float64).float())
+        assert layer(torch.randn(0, 64)).shape == (0, 40)  # an empty call: torch's own kernel
     assert used == [(1, 1, 64), (1, 2, 64), (2, 64)]  # widths 1 and 2 only
     x = torch.randn(1, 64, requires_grad=True)
     layer(x).sum().backward()  # with gradients on: torch's own, differentiable path

@@ -112,9 +112,11 @@ def route_linears(model: nn.Module, mode: str = "auto") -> dict:
     one width, and the union of those widths."""
     from .vocab_head import ReducedVocabHead
 
-    if check_cpu_linear(mode) == "torch" or (mode == "auto" and not onednn_available()):
+    if check_cpu_linear(mode) == "torch":
         return {"layers": 0, "widths": []}
     if not onednn_available():
+        if mode == "auto":
+            return {"layers": 0, "widths": []}
         raise RuntimeError("cpu_linear='onednn' needs a torch build with oneDNN (torch.backends.mkldnn); this one "
                            "has none: use cpu_linear='auto' or 'torch'")
     layers, widths = 0, set()

@@ -27,6 +27,7 @@ import torch
 
 from .acceptance import DIVERGENCE_RANGES, DIVERGENCES, tv_distance
 from .cpu_linear import CPU_LINEAR_HELP, DTYPE_HELP, check_cpu_linear
+from .quantize import check_quantization_flag
 
 logger = logging.getLogger("pyramid_hf")
 
@@ -63,10 +64,8 @@ class EvalAcceptanceArgs:
 
     def __post_init__(self):
         check_cpu_linear(self.cpu_linear)
-        for side in ("student", "teacher"):
-            if getattr(self, f"{side}_quantization") not in (None, "none", "int8"):
-                raise ValueError(f"--{side}_quantization must be none or int8, got "
-                                 f"{getattr(self, f'{side}_quantization')!r}")
+        check_quantization_flag("student_quantization", self.student_quantization)
+        check_quantization_flag("teacher_quantization", self.teacher_quantization)
         if not (self.student and self.teacher) and self.pair not in PAIRS:
             raise ValueError(f"--pair must be one of {PAIRS}, got {self.pair!r}")
         if bool(self.student) != bool(self.teacher):
@@ -319,21 +318,11 @@ def pair_quantization(args: EvalAcceptanceArgs, roles: dict) -> dict[str, str]:
             for side in ("student", "teacher")}
 
 
-def _quantize_side(side: str, loaded, mode: str) -> None:
-    from .quantize import int8_rows_of, quantize_model
-
-    if quantize_model(loaded.model, mode):
-        used = [r for r in int8_rows_of(loaded.model) if r]
-        loaded.origin += (f" (int8 weights for calls of <= {max(used)} tokens in {len(used)} layers)" if used else
-                          " (int8 never faster than its float weights on this CPU: unused)")
-        logger.info("%s: %s", side, loaded.origin)
-
-
 def run_eval_acceptance(args: EvalAcceptanceArgs, command: str | None = None) -> dict[str, Path]:
     """Measure and write OUT/acceptance.json + .md; ``command`` (the command line) is recorded."""
     from .bench.humaneval import load_tasks
     from .models import get_preset, load_model
-    from .trio import _check_same_tokenizer, default_dtype
+    from .trio import _check_same_tokenizer, default_dtype, quantize_loaded
 
     roles = {}
     if args.student:
@@ -350,8 +339,9 @@ def run_eval_acceptance(args: EvalAcceptanceArgs, command: str | None = None) ->
     args.dtype = args.dtype or default_dtype()
     student = load_model(student_source, dtype=args.dtype, cpu_linear=args.cpu_linear)
     teacher = load_model(teacher_source, dtype=args.dtype, reduced_vocab=False, cpu_linear=args.cpu_linear)
+    quantization = pair_quantization(args, roles)
     for side, loaded in (("student", student), ("teacher", teacher)):
-        _quantize_side(side, loaded, pair_quantization(args, roles)[side])
+        quantize_loaded(side, loaded, quantization[side])
     logger.info("student: %s; teacher: %s", student.origin, teacher.origin)
     path = None
     if args.path_model:

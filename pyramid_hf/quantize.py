@@ -43,6 +43,12 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weight_int8.contiguous(), scales
 
 
+def check_quantization_flag(flag: str, value: str | None) -> None:
+    """A command-line quantization flag: unset (the default applies) or one of `MODES`."""
+    if value is not None and value not in MODES:
+        raise ValueError(f"--{flag} must be {' or '.join(MODES)}, got {value!r}")
+
+
 def widest_faster(rows, float_ms, int8_ms) -> int:
     """The widest of ``rows`` (ascending) up to which int8 was faster at every width measured; 0 if never."""
     best = 0

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .config import PyramidConfig
 from .cpu_linear import CPU_LINEAR_HELP, DTYPE_HELP, check_cpu_linear
+from .quantize import check_quantization_flag
 
 logger = logging.getLogger("pyramid_hf")
 
@@ -43,8 +44,7 @@ class GenerateArgs:
 
     def __post_init__(self):
         check_cpu_linear(self.cpu_linear)
-        if self.qualifier_quantization not in (None, "none", "int8"):
-            raise ValueError(f"--qualifier_quantization must be none or int8, got {self.qualifier_quantization!r}")
+        check_quantization_flag("qualifier_quantization", self.qualifier_quantization)
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
         if self.max_new_tokens < 1 or self.sd_tokens < 1:

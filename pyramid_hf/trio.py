@@ -90,7 +90,8 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
     if qualifier_vocab_size:
         _reduce_qualifier(loaded["qualifier"], tokenizer, qualifier_vocab_size)
         route_linears(loaded["qualifier"].model, cpu_linear)  # the new head
-    _quantize_qualifier(loaded["qualifier"], qualifier_quantization or getattr(preset, "qualifier_quantization", "none"))
+    quantize_loaded("qualifier", loaded["qualifier"],
+                    qualifier_quantization or getattr(preset, "qualifier_quantization", "none"))
     if "draft" in loaded:
         draft_obj = loaded["draft"].model
     elif draft_source == NGRAM:
@@ -118,14 +119,14 @@ def hardware_summary() -> str:
     """One line on what this machine makes the defaults: the dtype, and whether float32 CPU linears can use oneDNN."""
     import torch
 
-    from .cpu_kernels import native_bf16, onednn_available
+    from .cpu_kernels import onednn_available
 
     gpu = torch.cuda.is_available()
-    where = "GPU" if gpu else "CPU"
-    units = "in hardware" if native_bf16("cuda" if gpu else "cpu") else "emulated (no AMX / AVX512-BF16)"
+    dtype = default_dtype("auto" if gpu else None)
+    units = "in hardware" if dtype == "bfloat16" else "emulated (no AMX / AVX512-BF16)"
     onednn = ("oneDNN available: --cpu_linear auto times it against torch's kernel per weight shape at load"
               if onednn_available() else "no oneDNN in this torch build: torch's kernel")
-    return (f"this machine: bf16 matmuls on the {where} {units} -> default --dtype {default_dtype('auto' if gpu else None)}; "
+    return (f"this machine: bf16 matmuls on the {'GPU' if gpu else 'CPU'} {units} -> default --dtype {dtype}; "
             f"float32 CPU linears: {onednn}")
 
 
@@ -156,22 +157,23 @@ def _reduce_qualifier(qualifier, tokenizer, size: int) -> None:
     logger.info("qualifier: LM head over the %d most frequent tokens (kept ids: %s)", facts["size"], facts["sidecar"])
 
 
-def _quantize_qualifier(qualifier, mode: str) -> None:
+def quantize_loaded(role: str, loaded, mode: str) -> None:
+    """`pyramid_hf.quantize.quantize_model` on a loaded model, with its origin and the log saying what int8 covers."""
     from .quantize import int8_rows_of, quantize_model
 
-    changed = quantize_model(qualifier.model, mode)
+    changed = quantize_model(loaded.model, mode)
     if changed:
-        rows = int8_rows_of(qualifier.model)
+        rows = int8_rows_of(loaded.model)
         if max(rows) == 0:
-            logger.info("qualifier: int8 weights were not faster than %s at any call width on this CPU: it keeps its "
-                        "own weights", next(qualifier.model.parameters()).dtype)
+            logger.info("%s: int8 weights were not faster than %s at any call width on this CPU: it keeps its "
+                        "own weights", role, next(loaded.model.parameters()).dtype)
             return
         used = [r for r in rows if r]  # layers where int8 never won keep only their float path
         span = f"{min(used)}-{max(used)}" if min(used) != max(used) else str(used[0])
-        qualifier.origin += (f" (int8 weights for calls of <= {span} tokens in {len(used)} of {changed} layers, "
-                             f"measured on this CPU)")
-        logger.info("qualifier: int8 weights for calls of <= %s tokens (%d of %d layers; the widths where int8 beat "
-                    "%s here)", span, len(used), changed, next(qualifier.model.parameters()).dtype)
+        loaded.origin += (f" (int8 weights for calls of <= {span} tokens in {len(used)} of {changed} layers, "
+                          f"measured on this CPU)")
+        logger.info("%s: int8 weights for calls of <= %s tokens (%d of %d layers; the widths where int8 beat "
+                    "%s here)", role, span, len(used), changed, next(loaded.model.parameters()).dtype)
 
 
 def ngram_draft(tokenizer, target, **options):

@@ -145,12 +145,16 @@ def test_the_qualifier_side_follows_the_preset_quantization_unless_told(tmp_path
                                                                                  "teacher": "int8"}
 
 
-def test_a_quantized_student_end_to_end(tmp_path):
+def test_a_quantized_student_end_to_end(tmp_path, monkeypatch):
+    from pyramid_hf import quantize
+
+    monkeypatch.setattr(quantize, "measure_max_int8_rows", lambda *a, **k: 8)  # what a real CPU may measure
     out = _save_pair(tmp_path)
     rc = main(["eval-acceptance", "--preset", "", "--student", str(tmp_path / "student"), "--teacher",
                str(tmp_path / "teacher"), "--limit", "1", "--max-new-tokens", "6", "--latency_repeats", "0",
                "--dtype", "float32", "--student_quantization", "int8", "--out", str(out)])
     assert rc == 0
     config, result = load_report(out / "acceptance.json")
-    assert "int8" in config["origins"]["student"] and "int8" not in config["origins"]["teacher"]
+    assert "int8 weights for calls of <= 8 tokens" in config["origins"]["student"]
+    assert "int8" not in config["origins"]["teacher"]
     assert result["positions"] == 6

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..cpu_linear import CPU_LINEAR_HELP, DTYPE_HELP, check_cpu_linear
+from ..quantize import check_quantization_flag
 from .methods import ALL_METHODS, default_grid
 from .runner import GenerationSettings, Prompt, Runner
 from .summary import analytic_speedup, summarize
@@ -110,8 +111,7 @@ class BenchArgs:
 
     def __post_init__(self):
         check_cpu_linear(self.cpu_linear)
-        if self.qualifier_quantization not in (None, "none", "int8"):
-            raise ValueError(f"--qualifier_quantization must be none or int8, got {self.qualifier_quantization!r}")
+        check_quantization_flag("qualifier_quantization", self.qualifier_quantization)
         unknown = sorted(set(self.method_list) - set(ALL_METHODS))
         if unknown:
             raise ValueError(f"unknown methods {unknown}; choose from {list(ALL_METHODS)}")

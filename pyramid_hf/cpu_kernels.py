@@ -5,6 +5,9 @@
   (`pyramid_hf.cpu_linear`). Eager float32 ``nn.functional.linear`` goes to MKL's sgemm instead, which on an AMD
   EPYC seen here (AVX2, no AVX512) runs narrow calls far below the CPU's speed: 8960 x 1536 at 1 / 8 rows took
   3.6 / 12.3 ms on MKL and 2.4 / 4.5 ms on oneDNN.
+- ``torch.utils.cpp_extension.load``: compiles ``pyramid_hf/csrc/skinny_linear.cpp`` once per machine, a float32
+  linear for calls of few rows on AVX2 CPUs (`skinny_linear`); where it cannot be built (no compiler, no AVX2) the
+  other kernels serve.
 - ``torch.cpu._is_amx_tile_supported`` / ``torch.cpu._is_avx512_bf16_supported``: whether bf16 matmuls run in
   hardware (`native_bf16`).
 
@@ -13,11 +16,24 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+import logging
+import math
+import os
+import platform
+import shutil
 import time
+from pathlib import Path
 
 import torch
 
+logger = logging.getLogger("pyramid_hf")
+
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)  # call widths (rows) at which kernels are timed against each other
+SKINNY_MAX_ROWS = 16  # widest call the few-row kernel is timed (and used) at
+SKINNY_SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
+COLD_BYTES_CAP = 512 * 2**20  # most memory the cold-cache timing copies may take
 
 
 def int8_weight_only_matmul(x2d: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -38,6 +54,50 @@ def onednn_available() -> bool:
         return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     except (AttributeError, RuntimeError):
         return False
+
+
+@functools.cache
+def _skinny_extension():
+    """The compiled few-row kernel (torch caches the build per machine: ~30 s once), or None where it cannot run."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        logger.info("few-row float32 kernel not used: this CPU has no AVX2")
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        logger.warning("few-row float32 kernel not built: no C++ compiler (%s) on PATH; oneDNN / torch kernels serve",
+                       compiler)
+        return None
+    if shutil.which("ninja") is None:  # torch's builder runs ninja: the pip package's copy, outside an active venv
+        try:
+            import ninja
+
+            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        except ImportError:
+            pass
+    try:
+        from torch.utils.cpp_extension import load
+
+        logger.info("loading the few-row float32 CPU kernel (%s; compiled on first use, ~30 s, then cached by torch)",
+                    SKINNY_SOURCE.name)
+        return load(name="pyramid_hf_skinny_linear_v1", sources=[str(SKINNY_SOURCE)],
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=False)
+    except Exception as error:  # noqa: BLE001 - any build failure: fall back, never crash decoding
+        logger.warning("few-row float32 kernel not built (%s: %s); oneDNN / torch kernels serve",
+                       type(error).__name__, str(error).strip().splitlines()[-1:] or "")
+        return None
+
+
+def skinny_available() -> bool:
+    """Whether `skinny_linear` runs here (x86 CPU with AVX2, a C++ compiler; built on first call)."""
+    return _skinny_extension() is not None
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``nn.functional.linear(x, weight, bias)`` in float32 by the few-row kernel (CPU, no autograd): each output
+    row is computed in the same order whatever the number of rows in the call."""
+    return _skinny_extension().skinny_linear(x, weight, bias)
 
 
 def native_bf16(device="cpu") -> bool:
@@ -63,16 +123,41 @@ def median_ms(fn, x: torch.Tensor, repeats: int) -> float:
     return sorted(times)[len(times) // 2] * 1000
 
 
+def cache_bytes() -> int:
+    """The CPU's last-level cache in bytes (Linux sysfs; 32 MiB where unknown)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]] if text[-1] in "KMG"
+                         else int(text))
+        except (OSError, ValueError, KeyError):
+            continue
+    return max(sizes, default=32 * 2**20)
+
+
+def cold(fn, *tensors):
+    """``fn(x, *tensors)`` as ``fn(x)`` cycling through enough copies of ``tensors`` (twice the last-level cache,
+    at most `COLD_BYTES_CAP`) that each call reads them from memory, as a layer inside a whole model does. Timed on
+    one warm copy, a small layer's weights stay in cache and every kernel looks faster than it is in decoding."""
+    size = max(1, sum(t.numel() * t.element_size() for t in tensors))
+    copies = max(1, min(math.ceil(2 * cache_bytes() / size), COLD_BYTES_CAP // size))
+    sets = itertools.cycle([tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)])
+    return lambda x: fn(x, *next(sets))
+
+
 @torch.no_grad()
 def time_kernels(kernels: dict, in_features: int, dtype: torch.dtype, rows=CALIBRATION_ROWS, repeats: int = 5,
-                 stop_when=None) -> dict[str, list[float]]:
+                 stop_when=None, max_rows: dict | None = None) -> dict[str, list[float]]:
     """Median ms of each of ``kernels`` (name -> fn(x2d)) at each width of ``rows``, interleaved width by width;
-    ``stop_when(timings)`` may end the sweep early (the lists then stop at the last width measured)."""
+    ``max_rows`` (name -> rows) skips a kernel above its widest (its time there is ``inf``); ``stop_when(timings)``
+    may end the sweep early (the lists then stop at the last width measured)."""
+    max_rows = max_rows or {}
     timings = {name: [] for name in kernels}
     for width in rows:
         x = torch.randn(width, in_features, dtype=dtype)
         for name, fn in kernels.items():
-            timings[name].append(median_ms(fn, x, repeats))
+            timings[name].append(median_ms(fn, x, repeats) if width <= max_rows.get(name, width) else math.inf)
         if stop_when is not None and stop_when(timings):
             break
     return timings

@@ -1,18 +1,22 @@
-"""Float32 linears on oneDNN where it beats torch's default CPU kernel, measured per weight shape and call width.
+"""Float32 CPU linears on the fastest of three kernels, measured per weight shape and call width.
 
 Eager float32 ``nn.Linear`` on CPU runs MKL's sgemm. On an AMD EPYC seen here (AVX2, no AVX512) MKL runs narrow
 calls far below the CPU's speed, while oneDNN, the library torch's compiler uses for CPU linears, does not. The
 Qwen2.5-Coder-1.5B target in float32, a forward over 1 / 8 / 13 new tokens after a 200-token prompt:
-390 / 1207 / 1319 ms with MKL, 299 / 519 / 635 ms on oneDNN, its 200-token prefill 6.3 -> 4.3 s. Verifying a block
-of 8 then costs 1.7 one-token forwards instead of 3.1, which is what speculative decoding lives on.
+390 / 1207 / 1319 ms with MKL, 299 / 519 / 635 ms on oneDNN, its 200-token prefill 6.3 -> 4.3 s. Both libraries
+are still tuned for wide calls; the few-row kernel (`pyramid_hf.cpu_kernels.skinny_linear`, AVX2, built once per
+machine) reads each weight once for all rows of a call of up to 16 rows, and took the same target's 1 / 2 / 4 / 9 /
+13-token forwards from 297 / 424 / 484 / 542 / 641 ms on oneDNN to 251 / 274 / 316 / 411 / 511. A block of 8
+verified costs 1.6 one-token forwards instead of 1.8 (MKL: 3.1), which is what speculative decoding lives on.
 
-Which kernel wins depends on the CPU (MKL is tuned for Intel's), so ``cpu_linear="auto"`` times both, once per
-weight shape and process, at 1, 2, 4 ... 64 rows (at most ``PROBE_OUT_FEATURES`` output rows: a 151936-token head
-would take seconds), and a `RoutedLinear` sends a call to oneDNN when oneDNN was faster at the measured width that
-covers it; a reduced-vocabulary LM head (`pyramid_hf.vocab_head`) is routed the same way. Only float32 weights on
-CPU, only without gradients: training and other dtypes run as before.
+Which kernel wins depends on the CPU, so ``cpu_linear="auto"`` times them, once per weight shape and process, at
+1, 2, 4 ... 64 rows, on weights read from memory rather than cache (`pyramid_hf.cpu_kernels.cold`) and on at most
+``PROBE_OUT_FEATURES`` output rows (a 151936-token head would take seconds); a `RoutedLinear` sends a call to the
+kernel that won at the measured width that covers it, if it beat torch's by 5%. A reduced-vocabulary LM head
+(`pyramid_hf.vocab_head`) is routed the same way. Only float32 weights on CPU, only without gradients: training
+and other dtypes run as before.
 
-Exactness: oneDNN computes the same float32 product with another summation order (logits of the 1.5B differ by
+Exactness: the kernels compute the same float32 product in other summation orders (logits of the 1.5B differ by
 <1e-4, the same size as MKL's own differences between a 1-row and an 8-row call). Every method in a run, target-only
 decoding included, uses the same routed target, so speculative decoding stays token for token what the target
 decodes alone (``tests/test_cpu_linear.py``).
@@ -26,16 +30,28 @@ import logging
 import torch
 from torch import nn
 
-from .cpu_kernels import CALIBRATION_ROWS, onednn_available, onednn_linear, time_kernels
+from .cpu_kernels import (
+    CALIBRATION_ROWS,
+    SKINNY_MAX_ROWS,
+    cold,
+    onednn_available,
+    onednn_linear,
+    skinny_available,
+    skinny_linear,
+    time_kernels,
+)
 
 logger = logging.getLogger("pyramid_hf")
 
-MODES = ("auto", "onednn", "torch")
-PROBE_OUT_FEATURES = 8192  # enough output rows to read more than a CPU's cache holds, as a real layer does
-MIN_GAIN = 0.95  # oneDNN must take at most 95% of the default kernel's time at a width to be used there
-_measured: dict[tuple, frozenset] = {}  # (out, in) -> widths where oneDNN won, measured once per process
-CPU_LINEAR_HELP = ("float32 linears on CPU: auto (oneDNN at the call widths where it measured faster than torch's "
-                   "default kernel here), onednn (always), torch (never)")
+MODES = ("auto", "skinny", "onednn", "torch")
+KERNELS = {"onednn": onednn_linear, "skinny": skinny_linear}  # the alternatives to torch's default kernel
+KERNEL_NAMES = {"onednn": "oneDNN", "skinny": "the few-row AVX2 kernel"}  # as logs and reports name them
+PROBE_OUT_FEATURES = 8192  # output rows timed: the kernels' relative speed depends on the call width, not on this
+MIN_GAIN = 0.95  # another kernel must take at most 95% of torch's time at a width to be used there
+_measured: dict[tuple, dict] = {}  # (out, in) -> {width: kernel}, measured once per process
+CPU_LINEAR_HELP = ("float32 linears on CPU: auto (per call width, the fastest of torch's kernel, oneDNN and the "
+                   "few-row AVX2 kernel, measured here), skinny (the few-row kernel up to 16 rows, oneDNN above), "
+                   "onednn (always), torch (never another)")
 DTYPE_HELP = ("model dtype: bfloat16, float32, float16; default: bfloat16 where the hardware multiplies it (GPUs, CPUs "
               "with AMX / AVX512-BF16), float32 elsewhere")
 
@@ -51,87 +67,119 @@ def covering_width(rows: int, widths=CALIBRATION_ROWS) -> int:
     return next((width for width in widths if width >= rows), widths[-1])
 
 
-def onednn_wins(rows, torch_ms, onednn_ms) -> frozenset:
-    """The widths of ``rows`` at which oneDNN took at most ``MIN_GAIN`` of the default kernel's time."""
-    return frozenset(width for width, t, o in zip(rows, torch_ms, onednn_ms, strict=True) if o <= MIN_GAIN * t)
+def fastest_kernels(rows, timings: dict) -> dict:
+    """``{width: kernel}`` for the widths of ``rows`` where the fastest of ``timings``' kernels (name -> ms per
+    width; ``inf`` where not timed) is not ``"torch"`` and took at most ``MIN_GAIN`` of torch's time."""
+    chosen = {}
+    for i, width in enumerate(rows):
+        name = min(timings, key=lambda k: timings[k][i])
+        if name != "torch" and timings[name][i] <= MIN_GAIN * timings["torch"][i]:
+            chosen[width] = name
+    return chosen
 
 
-def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, onednn_widths: frozenset) -> torch.Tensor:
-    """``nn.functional.linear``, on oneDNN when the call's covering width is one of ``onednn_widths``."""
-    if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0
-            or covering_width(x.numel() // x.shape[-1]) not in onednn_widths):
+def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, width_kernels: dict) -> torch.Tensor:
+    """``nn.functional.linear`` on the kernel ``width_kernels`` names for the call's covering width (torch's
+    default where it names none, under autograd, and for other dtypes and devices)."""
+    if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
         return nn.functional.linear(x, weight, bias)
-    return onednn_linear(x, weight, bias)
+    kernel = width_kernels.get(covering_width(x.numel() // x.shape[-1]))
+    return (KERNELS[kernel] if kernel else nn.functional.linear)(x, weight, bias)
 
 
-def measure_onednn_widths(weight: torch.Tensor, rows=CALIBRATION_ROWS, repeats: int = 5) -> frozenset:
-    """The call widths at which oneDNN beats torch's default kernel for ``weight`` on this machine."""
+def forced_kernels(mode: str) -> dict:
+    """The routing of a mode that does not measure: ``"onednn"`` everywhere, ``"skinny"`` up to its widest."""
+    if mode == "onednn":
+        return dict.fromkeys(CALIBRATION_ROWS, "onednn")
+    return {w: "skinny" if w <= SKINNY_MAX_ROWS else "onednn" for w in CALIBRATION_ROWS
+            if w <= SKINNY_MAX_ROWS or onednn_available()}
+
+
+def measure_kernels(weight: torch.Tensor, rows=CALIBRATION_ROWS, repeats: int = 5) -> dict:
+    """``{width: kernel}``: where oneDNN or the few-row kernel beats torch's default for ``weight`` on this machine."""
     weight = weight.detach()[:PROBE_OUT_FEATURES]
     key = tuple(weight.shape)
     if key not in _measured:
+        kernels = {"torch": cold(nn.functional.linear, weight)}
+        if onednn_available():
+            kernels["onednn"] = cold(lambda v, w: onednn_linear(v, w, None), weight)
+        if skinny_available():
+            kernels["skinny"] = cold(lambda v, w: skinny_linear(v, w, None), weight)
         try:
-            timings = time_kernels({"torch": lambda v: nn.functional.linear(v, weight),
-                                    "onednn": lambda v: onednn_linear(v, weight, None)},
-                                   weight.shape[1], torch.float32, rows, repeats)
-            _measured[key] = onednn_wins(rows, timings["torch"], timings["onednn"])
+            timings = time_kernels(kernels, weight.shape[1], torch.float32, rows, repeats,
+                                   max_rows={"skinny": SKINNY_MAX_ROWS})
+            _measured[key] = fastest_kernels(rows, timings)
         except RuntimeError as error:  # a build whose oneDNN cannot run this op: keep torch's kernel
-            logger.info("oneDNN linear unavailable for %s weights (%s): torch's kernel kept", key, error)
-            _measured[key] = frozenset()
+            logger.info("another float32 kernel unavailable for %s weights (%s): torch's kernel kept", key, error)
+            _measured[key] = {}
     return _measured[key]
 
 
 class RoutedLinear(nn.Linear):
-    """An ``nn.Linear`` (same parameters, same state-dict keys) whose no-grad float32 CPU calls run on oneDNN at the
-    widths in ``onednn_widths``. Made in place by `route_linears`."""
+    """An ``nn.Linear`` (same parameters, same state-dict keys) whose no-grad float32 CPU calls run on the kernel
+    ``width_kernels`` names for their width (`routed_linear`). Made in place by `route_linears`."""
 
-    onednn_widths: frozenset = frozenset()
+    width_kernels: dict = {}
 
     @property
     def float_linear(self):
         """``fn(x, weight, bias)`` routed like this layer: the float path `pyramid_hf.quantize.Int8Linear` times."""
-        return functools.partial(routed_linear, onednn_widths=self.onednn_widths)
+        return functools.partial(routed_linear, width_kernels=self.width_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return routed_linear(x, self.weight, self.bias, self.onednn_widths)
+        return routed_linear(x, self.weight, self.bias, self.width_kernels)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, onednn at widths {sorted(self.onednn_widths)}"
+        return f"{super().extra_repr()}, {describe_routes(self.width_kernels)}"
 
 
-def as_routed(linear: nn.Linear, onednn_widths: frozenset) -> RoutedLinear:
+def describe_routes(width_kernels: dict) -> str:
+    """e.g. ``"skinny at call widths [1, 2, 4, 8, 16], onednn at [32, 64]"``."""
+    by_kernel = {}
+    for width, kernel in sorted(width_kernels.items()):
+        by_kernel.setdefault(kernel, []).append(width)
+    return ", ".join(f"{kernel} at {'call widths ' if i == 0 else ''}{widths}"
+                     for i, (kernel, widths) in enumerate(by_kernel.items())) or "torch's kernel at every width"
+
+
+def as_routed(linear: nn.Linear, width_kernels: dict) -> RoutedLinear:
     """``linear`` itself, made a `RoutedLinear` (same object, parameters and hooks: only forward changes)."""
     linear.__class__ = RoutedLinear
-    linear.onednn_widths = frozenset(onednn_widths)
+    linear.width_kernels = dict(sorted(width_kernels.items()))
     return linear
 
 
 def route_linears(model: nn.Module, mode: str = "auto") -> dict:
-    """Route ``model``'s float32 CPU ``nn.Linear`` layers (and a reduced-vocabulary LM head) to oneDNN, in place:
-    ``"auto"`` at the call widths where it measured faster here, ``"onednn"`` always, ``"torch"`` never; layers
-    already routed are left as they are. Returns ``{"layers": n, "widths": [...]}``: how many layers route at least
-    one width, and the union of those widths."""
+    """Route ``model``'s float32 CPU ``nn.Linear`` layers (and a reduced-vocabulary LM head), in place: ``"auto"``
+    to the kernel that measured fastest here per call width, ``"skinny"`` to the few-row kernel up to 16 rows and
+    oneDNN above, ``"onednn"`` always to oneDNN, ``"torch"`` never; layers already routed are left as they are.
+    Returns ``{"layers": n, "kernels": {kernel: [widths]}}``: how many layers route at least one width, and the
+    union of widths per kernel."""
     from .vocab_head import ReducedVocabHead
 
     if check_cpu_linear(mode) == "torch":
-        return {"layers": 0, "widths": []}
-    if not onednn_available():
-        if mode == "auto":
-            return {"layers": 0, "widths": []}
+        return {"layers": 0, "kernels": {}}
+    if mode == "onednn" and not onednn_available():
         raise RuntimeError("cpu_linear='onednn' needs a torch build with oneDNN (torch.backends.mkldnn); this one "
                            "has none: use cpu_linear='auto' or 'torch'")
-    layers, widths = 0, set()
+    if mode == "skinny" and not skinny_available():
+        raise RuntimeError("cpu_linear='skinny' needs the few-row kernel, which could not be built here (it needs an "
+                           "x86 CPU with AVX2 and a C++ compiler; the log says what failed): use cpu_linear='auto' "
+                           "or 'torch'")
+    layers, kernels = 0, {}
     for module in list(model.modules()):
         if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
-            chosen = frozenset(CALIBRATION_ROWS) if mode == "onednn" else measure_onednn_widths(module.weight)
+            chosen = forced_kernels(mode) if mode != "auto" else measure_kernels(module.weight)
             if chosen:
                 as_routed(module, chosen)
-        elif (isinstance(module, ReducedVocabHead) and module.kept_linear is None and not module.onednn_widths
+        elif (isinstance(module, ReducedVocabHead) and module.kept_linear is None and not module.width_kernels
               and module.kept_weight.dtype == torch.float32 and module.kept_weight.device.type == "cpu"):
-            chosen = frozenset(CALIBRATION_ROWS) if mode == "onednn" else measure_onednn_widths(module.kept_weight)
-            module.onednn_widths = chosen
+            chosen = forced_kernels(mode) if mode != "auto" else measure_kernels(module.kept_weight)
+            module.width_kernels = dict(sorted(chosen.items()))
         else:
             continue
         if chosen:
             layers += 1
-            widths |= chosen
-    return {"layers": layers, "widths": sorted(widths)}
+            for width, kernel in chosen.items():
+                kernels.setdefault(kernel, set()).add(width)
+    return {"layers": layers, "kernels": {k: sorted(v) for k, v in sorted(kernels.items())}}

@@ -12,7 +12,8 @@ Where int8 stops paying depends on the CPU: on a CPU without bf16 matrix units (
 here) a bf16 matmul costs k times as much for k rows while the int8 kernel stays ~5x cheaper up to 13 rows
 (896 x 4864: bf16 2.0 / 14.0 ms at 1 / 8 rows, int8 0.8 / 2.8 ms). ``max_int8_rows="auto"`` (the default) therefore
 measures it, once per weight shape and process: `measure_max_int8_rows` times both kernels at 1, 2, 4, ... 64 rows
-(a few seconds for a 0.5B model) and keeps int8 up to the widest call at which it is still faster.
+(a few seconds for a 0.5B model; on weights read from memory, not cache, as in a whole forward) and keeps int8
+up to the widest call at which it is still faster.
 
 Lossless: the quantized model only proposes or filters tokens; the target verifies them with its own, untouched
 weights. Top-1 agreement of the int8 0.5B with its bf16 self was 96% on library code (dynamic int8 activations,
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cpu_kernels import CALIBRATION_ROWS, int8_weight_only_matmul, time_kernels
+from .cpu_kernels import CALIBRATION_ROWS, cold, int8_weight_only_matmul, time_kernels
 
 MODES = ("none", "int8")
 PROBE_ROWS = 1024
@@ -70,8 +71,8 @@ def measure_max_int8_rows(weight: torch.Tensor, weight_int8: torch.Tensor, scale
     float_linear = float_linear or nn.functional.linear
     key = (*weight.shape, weight.dtype) + (() if float_linear is nn.functional.linear else (repr(float_linear),))
     if key not in _measured_rows:
-        timings = time_kernels({"float": lambda v: float_linear(v, weight, None),
-                                "int8": lambda v: int8_weight_only_matmul(v, weight_int8, scales)},
+        timings = time_kernels({"float": cold(lambda v, w: float_linear(v, w, None), weight),
+                                "int8": cold(int8_weight_only_matmul, weight_int8, scales)},
                                weight.shape[1], weight.dtype, rows, repeats,
                                stop_when=lambda t: t["int8"][-1] >= t["float"][-1])
         _measured_rows[key] = widest_faster(rows, timings["float"], timings["int8"])

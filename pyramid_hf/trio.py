@@ -116,18 +116,20 @@ def default_dtype(device_map=None) -> str:
 
 
 def hardware_summary() -> str:
-    """One line on what this machine makes the defaults: the dtype, and whether float32 CPU linears can use oneDNN."""
+    """One line on what this machine makes the defaults: the dtype, and which float32 CPU linear kernels it has."""
     import torch
 
-    from .cpu_kernels import onednn_available
+    from .cpu_kernels import onednn_available, skinny_available
 
     gpu = torch.cuda.is_available()
     dtype = default_dtype("auto" if gpu else None)
     units = "in hardware" if dtype == "bfloat16" else "emulated (no AMX / AVX512-BF16)"
-    onednn = ("oneDNN available: --cpu_linear auto times it against torch's kernel per weight shape at load"
-              if onednn_available() else "no oneDNN in this torch build: torch's kernel")
+    others = [name for name, available in (("oneDNN", onednn_available), ("the few-row AVX2 kernel", skinny_available))
+              if available()]
+    linears = (f"--cpu_linear auto times torch's kernel against {' and '.join(others)} per weight shape at load"
+               if others else "torch's kernel (no oneDNN in this torch build, no few-row kernel on this CPU)")
     return (f"this machine: bf16 matmuls on the {'GPU' if gpu else 'CPU'} {units} -> default --dtype {dtype}; "
-            f"float32 CPU linears: {onednn}")
+            f"float32 CPU linears: {linears}")
 
 
 def _warn_emulated_bf16(target) -> None:

@@ -85,7 +85,7 @@ class ReducedVocabHead(nn.Module):
         bias = getattr(full_head, "bias", None)
         self.kept_bias = None if bias is None else nn.Parameter(bias.detach()[self.kept_ids].clone())
         self.kept_linear = None  # set by `quantize`
-        self.onednn_widths = frozenset()  # call widths run on oneDNN (float32 CPU), set by `cpu_linear.route_linears`
+        self.width_kernels = {}  # call width -> float32 CPU kernel, set by `cpu_linear.route_linears`
 
     def quantize(self, max_int8_rows: int | str = "auto") -> None:
         """Int8 kept rows for narrow calls (`pyramid_hf.quantize.Int8Linear`); the float rows serve wider ones."""
@@ -94,8 +94,8 @@ class ReducedVocabHead(nn.Module):
 
         linear = nn.Linear(*self.kept_weight.shape[::-1], bias=self.kept_bias is not None, device="meta")
         linear.weight, linear.bias = self.kept_weight, self.kept_bias
-        if self.onednn_widths:
-            as_routed(linear, self.onednn_widths)
+        if self.width_kernels:
+            as_routed(linear, self.width_kernels)
         self.kept_linear = Int8Linear(linear, max_int8_rows)
 
     @property
@@ -106,7 +106,7 @@ class ReducedVocabHead(nn.Module):
         if self.kept_linear is not None:
             kept_logits = self.kept_linear(hidden_states)
         else:
-            kept_logits = routed_linear(hidden_states, self.kept_weight, self.kept_bias, self.onednn_widths)
+            kept_logits = routed_linear(hidden_states, self.kept_weight, self.kept_bias, self.width_kernels)
         logits = kept_logits.new_full((*kept_logits.shape[:-1], self.full_vocab_size), float("-inf"))
         return logits.index_copy_(-1, self.kept_ids, kept_logits)
 

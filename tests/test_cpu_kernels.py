@@ -1,17 +1,25 @@
 """Guards for the private torch CPU kernels and probes that `pyramid_hf.cpu_kernels` wraps: each test fails loudly if
 torch drops one or changes what it computes."""
 
+import math
+import platform
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from pyramid_hf import cpu_kernels
 from pyramid_hf.cpu_kernels import (
     CALIBRATION_ROWS,
+    SKINNY_MAX_ROWS,
+    cold,
     int8_weight_only_matmul,
     native_bf16,
     onednn_available,
     onednn_linear,
+    skinny_available,
+    skinny_linear,
     time_kernels,
 )
 from pyramid_hf.quantize import quantize_rows
@@ -78,3 +86,95 @@ def test_time_kernels_interleaves_widths_and_stops_when_told():
     stopped = time_kernels(kernels, 8, torch.float32, rows=CALIBRATION_ROWS, repeats=1,
                            stop_when=lambda t: len(t["a"]) == 2)
     assert [len(v) for v in stopped.values()] == [2, 2] and max(width for _, width in calls) == 2
+
+
+def _can_build_skinny() -> bool:
+    return (platform.machine().lower() in ("x86_64", "amd64") and shutil.which("c++") is not None
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
+@pytest.mark.parametrize("in_features,out_features", [(64, 40), (37, 11), (1536, 13), (8, 4)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_few_row_kernel_builds_where_it_can_and_computes_a_float32_linear(in_features, out_features, bias):
+    """``pyramid_hf/csrc/skinny_linear.cpp`` through torch's extension builder: built on x86 CPUs with AVX2 and a
+    compiler (as CI's), the same product as ``nn.functional.linear`` for every width up to past its widest, tails of
+    the input (not a multiple of 8) and output (not a multiple of 4) included, 2D / 3D / strided inputs."""
+    assert skinny_available() == _can_build_skinny()
+    if not _can_build_skinny():
+        return
+    g = torch.Generator().manual_seed(in_features + out_features)
+    weight = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    for rows in (*range(1, SKINNY_MAX_ROWS + 2), 40):
+        x = torch.randn(rows, in_features, generator=g)
+        got = skinny_linear(x, weight, b)
+        expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * math.sqrt(in_features))
+    x3 = torch.randn(2, 5, in_features, generator=g)
+    for view in (x3, x3[:, -1:], x3[:, ::2], x3.transpose(0, 1)):
+        torch.testing.assert_close(skinny_linear(view, weight, b), torch.nn.functional.linear(view, weight, b),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_the_few_row_kernel_gives_each_row_the_same_bits_whatever_the_call_width():
+    """Each output row is summed in one fixed order: a row computed alone equals, bit for bit, the same row inside a
+    call of 2 to 17 rows (what makes a verification call agree with one-token decoding)."""
+    if not _can_build_skinny():
+        assert not skinny_available()
+        return
+    g = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(45, 203, generator=g), torch.randn(45, generator=g)
+    x = torch.randn(17, 203, generator=g)
+    alone = torch.cat([skinny_linear(x[i : i + 1], weight, bias) for i in range(17)])
+    for rows in range(2, 18):
+        assert torch.equal(skinny_linear(x[:rows], weight, bias), alone[:rows]), rows
+
+
+def test_the_few_row_kernel_rejects_what_it_cannot_compute_and_falls_back_when_unbuildable(monkeypatch):
+    if _can_build_skinny():
+        weight = torch.randn(8, 16)
+        with pytest.raises(RuntimeError, match="float32 only"):
+            skinny_linear(torch.randn(2, 16).bfloat16(), weight.bfloat16(), None)
+        with pytest.raises(RuntimeError, match=r"x's last dim \(15\) must equal weight's in_features \(16\)"):
+            skinny_linear(torch.randn(2, 15), weight, None)
+        with pytest.raises(RuntimeError, match="bias must be float32 of 8 values"):
+            skinny_linear(torch.randn(2, 16), weight, torch.randn(7))
+    cpu_kernels._skinny_extension.cache_clear()
+    try:
+        monkeypatch.setenv("CXX", "no-such-compiler-here")
+        assert not skinny_available()  # no compiler: oneDNN / torch kernels serve, nothing crashes
+        cpu_kernels._skinny_extension.cache_clear()
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+        assert not skinny_available()  # no AVX2
+    finally:
+        monkeypatch.undo()
+        cpu_kernels._skinny_extension.cache_clear()
+
+
+def test_cold_timing_cycles_through_copies_that_outsize_the_cache(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "cache_bytes", lambda: 4096)
+    weight, scales = torch.randn(16, 16), torch.randn(16)  # 1024 + 64 bytes: 2 x 4096 needs 8 sets
+    seen = []
+    fn = cold(lambda x, w, s: seen.append((w.data_ptr(), s.data_ptr())) or x @ w.T * s, weight, scales)
+    x = torch.randn(3, 16)
+    for _ in range(16):
+        torch.testing.assert_close(fn(x), x @ weight.T * scales)
+    assert len(set(seen)) == 8 and seen[:8] == seen[8:]  # eight distinct copies, in turn
+    monkeypatch.setattr(cpu_kernels, "COLD_BYTES_CAP", 2048)
+    few = []
+    fn = cold(lambda x, w: few.append(w.data_ptr()), weight)
+    for _ in range(4):
+        fn(x)
+    assert len(set(few)) == 2  # the memory cap wins over the cache size
+
+
+def test_cache_bytes_reads_the_last_level_cache():
+    assert 2**16 <= cpu_kernels.cache_bytes() <= 2**33
+
+
+def test_time_kernels_skips_a_kernel_above_its_widest():
+    timings = time_kernels({"a": lambda x: x, "b": lambda x: x}, 8, torch.float32, rows=(1, 2, 4), repeats=1,
+                           max_rows={"b": 2})
+    assert all(math.isfinite(t) for t in timings["a"]) and timings["b"][2] == math.inf
+    assert all(math.isfinite(t) for t in timings["b"][:2])

@@ -1,5 +1,7 @@
 """Float32 linears routed to oneDNN: chosen per measured width, same outputs, and the pyramid stays exactly lossless."""
 
+import math
+
 import pytest
 import torch
 from tiny import VOCAB, save_tiny_folders, tiny_model, tiny_trio
@@ -7,13 +9,14 @@ from torch import nn
 
 from pyramid_hf import PyramidAssistant, PyramidConfig
 from pyramid_hf.bench.main import BenchArgs
-from pyramid_hf.cpu_kernels import CALIBRATION_ROWS
+from pyramid_hf.cpu_kernels import CALIBRATION_ROWS, skinny_available
 from pyramid_hf.cpu_linear import (
     PROBE_OUT_FEATURES,
     RoutedLinear,
     covering_width,
-    measure_onednn_widths,
-    onednn_wins,
+    fastest_kernels,
+    forced_kernels,
+    measure_kernels,
     route_linears,
 )
 from pyramid_hf.quantize import Int8Linear, quantize_model
@@ -27,11 +30,15 @@ def _ids(seed, n=6):
 def test_covering_width_and_the_winning_rule():
     assert [covering_width(r) for r in (1, 2, 3, 5, 8, 9, 64, 65, 300)] == [1, 2, 4, 8, 8, 16, 64, 64, 64]
     rows = (1, 2, 4, 8)
-    # an AVX2 EPYC: MKL's narrow calls are slow, oneDNN wins from one row up
-    assert onednn_wins(rows, [3.6, 7.3, 11.9, 12.3], [2.4, 4.4, 4.4, 4.5]) == {1, 2, 4, 8}
+    # an AVX2 EPYC: MKL's narrow calls are slow; oneDNN beats it, the few-row kernel beats both
+    assert fastest_kernels(rows, {"torch": [3.6, 7.3, 11.9, 12.3], "onednn": [2.4, 4.4, 4.4, 4.5],
+                                  "skinny": [2.4, 2.1, 2.6, 3.3]}) == {1: "onednn", 2: "skinny", 4: "skinny", 8: "skinny"}
     # a CPU where torch's default is as good: within 5% is not worth a switch
-    assert onednn_wins(rows, [3.0, 3.1, 3.2, 3.4], [2.9, 3.0, 3.3, 2.0]) == {8}
-    assert onednn_wins((), [], []) == frozenset()
+    assert fastest_kernels(rows, {"torch": [3.0, 3.1, 3.2, 3.4], "onednn": [2.9, 3.0, 3.3, 2.0]}) == {8: "onednn"}
+    # a kernel not timed at a width (inf: above the few-row kernel's widest) never wins there
+    assert fastest_kernels((16, 32), {"torch": [9.0, 9.0], "onednn": [5.0, 5.0], "skinny": [4.0, math.inf]}) == {
+        16: "skinny", 32: "onednn"}
+    assert fastest_kernels((), {"torch": []}) == {}
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -41,18 +48,21 @@ def test_routed_linear_matches_the_float_layer_and_routes_only_what_it_should(bi
     torch.manual_seed(0)
     layer, reference = nn.Linear(64, 40, bias=bias), nn.Linear(64, 40, bias=bias)
     reference.load_state_dict(layer.state_dict())
-    monkeypatch.setattr(cpu_linear, "measure_onednn_widths", lambda weight: frozenset({1, 2}))
-    assert route_linears(nn.Sequential(layer)) == {"layers": 1, "widths": [1, 2]}
+    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda weight: {1: "onednn", 2: "skinny"})
+    assert route_linears(nn.Sequential(layer)) == {"layers": 1, "kernels": {"onednn": [1], "skinny": [2]}}
     assert type(layer) is RoutedLinear and set(layer.state_dict()) == set(reference.state_dict())
+    assert "onednn at call widths [1], skinny at [2]" in repr(layer)
     used = []
-    monkeypatch.setattr(cpu_linear, "onednn_linear", lambda *a: used.append(a[0].shape) or nn.functional.linear(*a))
+    for name in ("onednn", "skinny"):
+        monkeypatch.setitem(cpu_linear.KERNELS, name,
+                            lambda *a, name=name: used.append((name, a[0].shape)) or nn.functional.linear(*a))
     with torch.no_grad():
         for shape in ((1, 1, 64), (1, 2, 64), (1, 3, 64), (7, 64)):
             x = torch.randn(*shape)
             torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
         layer(torch.randn(2, 64, dtype=torch.float64).float())
         assert layer(torch.randn(0, 64)).shape == (0, 40)  # an empty call: torch's own kernel
-    assert used == [(1, 1, 64), (1, 2, 64), (2, 64)]  # widths 1 and 2 only
+    assert used == [("onednn", (1, 1, 64)), ("skinny", (1, 2, 64)), ("skinny", (2, 64))]  # widths 1 and 2 only
     x = torch.randn(1, 64, requires_grad=True)
     layer(x).sum().backward()  # with gradients on: torch's own, differentiable path
     assert len(used) == 3 and x.grad is not None
@@ -61,14 +71,19 @@ def test_routed_linear_matches_the_float_layer_and_routes_only_what_it_should(bi
 def test_route_linears_modes_and_what_it_leaves_alone(monkeypatch):
     from pyramid_hf import cpu_linear
 
-    with pytest.raises(ValueError, match="unknown cpu_linear 'mkl'; choose from auto, onednn, torch"):
+    with pytest.raises(ValueError, match="unknown cpu_linear 'mkl'; choose from auto, skinny, onednn, torch"):
         route_linears(tiny_model("llama", 32, 2), "mkl")
-    assert route_linears(tiny_model("llama", 32, 2), "torch") == {"layers": 0, "widths": []}
+    assert route_linears(tiny_model("llama", 32, 2), "torch") == {"layers": 0, "kernels": {}}
     assert route_linears(tiny_model("llama", 32, 2).to(torch.bfloat16), "onednn")["layers"] == 0  # float32 only
     model = tiny_model("llama", 32, 2)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-    assert route_linears(model, "onednn") == {"layers": linears, "widths": list(CALIBRATION_ROWS)}
-    monkeypatch.setattr(cpu_linear, "measure_onednn_widths", lambda weight: frozenset())  # never faster here
+    assert route_linears(model, "onednn") == {"layers": linears, "kernels": {"onednn": list(CALIBRATION_ROWS)}}
+    model = tiny_model("llama", 32, 2)
+    assert route_linears(model, "skinny") == {"layers": linears,
+                                              "kernels": {"onednn": [32, 64], "skinny": [1, 2, 4, 8, 16]}}
+    assert forced_kernels("skinny") == {1: "skinny", 2: "skinny", 4: "skinny", 8: "skinny", 16: "skinny",
+                                        32: "onednn", 64: "onednn"}
+    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda weight: {})  # never faster here
     untouched = tiny_model("llama", 32, 2)
     assert route_linears(untouched, "auto")["layers"] == 0
     assert not any(isinstance(m, RoutedLinear) for m in untouched.modules())
@@ -82,11 +97,13 @@ def test_widths_are_measured_once_per_shape(monkeypatch):
     from pyramid_hf import cpu_linear
 
     monkeypatch.setattr(cpu_linear, "_measured", {})
-    widths = measure_onednn_widths(torch.randn(48, 32), rows=(1, 2), repeats=1)
-    assert widths <= {1, 2} and cpu_linear._measured == {(48, 32): widths}
-    cpu_linear._measured[(48, 32)] = frozenset({4})  # a second layer of that shape reads the measurement
-    assert measure_onednn_widths(torch.randn(48, 32)) == {4}
-    measure_onednn_widths(torch.randn(PROBE_OUT_FEATURES + 10, 8), rows=(1,), repeats=1)
+    chosen = measure_kernels(torch.randn(48, 32), rows=(1, 2, 32), repeats=1)
+    assert set(chosen) <= {1, 2, 32} and set(chosen.values()) <= {"onednn", "skinny"}
+    assert chosen.get(32) != "skinny"  # never timed above its widest (16 rows), so never chosen there
+    assert cpu_linear._measured == {(48, 32): chosen}
+    cpu_linear._measured[(48, 32)] = {4: "onednn"}  # a second layer of that shape reads the measurement
+    assert measure_kernels(torch.randn(48, 32)) == {4: "onednn"}
+    measure_kernels(torch.randn(PROBE_OUT_FEATURES + 10, 8), rows=(1,), repeats=1)
     assert (PROBE_OUT_FEATURES, 8) in cpu_linear._measured  # only the first PROBE_OUT_FEATURES rows are timed
 
 
@@ -101,18 +118,24 @@ def test_int8_layers_time_themselves_against_the_routed_float_path(monkeypatch):
     quantize_model(model, "int8")
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert layers and all(isinstance(m.linear, RoutedLinear) for m in layers)
-    assert all(fn is not None and fn.keywords["onednn_widths"] == frozenset(CALIBRATION_ROWS) for fn in seen)
+    assert all(fn is not None and fn.keywords["width_kernels"] == forced_kernels("onednn") for fn in seen)
 
 
+@pytest.mark.parametrize("mode", ["onednn", "skinny"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("draft_kind", ["model", "ngram_lookup"])
 @pytest.mark.parametrize("seed,max_new,l_d,l_q", [(0, 1, 1, 1), (1, 21, 3, 5), (2, 40, 4, 8)])
-def test_pyramid_on_routed_models_matches_routed_target_greedy(arch, draft_kind, seed, max_new, l_d, l_q):
-    """All three models routed to oneDNN at every width (fp32): PSD exact reproduces the target's greedy tokens."""
+def test_pyramid_on_routed_models_matches_routed_target_greedy(mode, arch, draft_kind, seed, max_new, l_d, l_q):
+    """All three models routed to oneDNN at every width, or to the few-row kernel up to 16 rows (fp32): PSD exact
+    reproduces the target's greedy tokens."""
+    if mode == "skinny" and not skinny_available():
+        with pytest.raises(RuntimeError, match="cpu_linear='skinny' needs the few-row kernel"):
+            route_linears(tiny_model(arch, 32, 2), mode)
+        return
     target, qualifier, draft = tiny_trio(arch, seed=60 + seed, init=0.5)
     before = target(_ids(seed)).logits
     for model in (target, qualifier, draft):
-        assert route_linears(model, "onednn")["layers"] > 0
+        assert route_linears(model, mode)["layers"] > 0
     with torch.no_grad():
         torch.testing.assert_close(target(_ids(seed)).logits, before, rtol=1e-4, atol=1e-4)
     draft = draft if draft_kind == "model" else "prompt_lookup"
@@ -127,7 +150,7 @@ def test_load_trio_routes_float32_models_and_picks_the_dtype(tmp_path, monkeypat
     from pyramid_hf.trio import default_dtype, load_trio
 
     monkeypatch.setenv("PYRAMID_HF_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_linear, "measure_onednn_widths", lambda weight: frozenset({1, 2, 4, 8}))
+    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda weight: {1: "skinny", 2: "skinny", 4: "onednn", 8: "onednn"})
     target, qualifier, draft = tiny_trio("qwen2", seed=8)
     folders = save_tiny_folders(tmp_path, target=target, qualifier=qualifier, draft=draft)
     with caplog.at_level("INFO", logger="pyramid_hf"):
@@ -135,8 +158,9 @@ def test_load_trio_routes_float32_models_and_picks_the_dtype(tmp_path, monkeypat
     for role in ("target", "qualifier", "draft"):
         model = getattr(trio, role)
         assert any(isinstance(m, RoutedLinear) for m in model.modules()), role
-        assert "oneDNN at call widths [1, 2, 4, 8]" in trio.origins[role]
-    assert any("float32 linears on oneDNN" in r.getMessage() for r in caplog.records)
+        assert ("float32 linears: oneDNN at call widths [4, 8]; the few-row AVX2 kernel at call widths [1, 2]"
+                in trio.origins[role])
+    assert any("float32 linears: oneDNN" in r.getMessage() for r in caplog.records)
     plain = load_trio(None, **folders, dtype="float32", cpu_linear="torch")
     assert not any(isinstance(m, RoutedLinear) for m in plain.target.modules())
     ids = _ids(3)
@@ -160,9 +184,9 @@ def test_a_reduced_vocab_head_is_routed_too_and_stays_routed_under_int8():
         full = model(ids).logits
     apply_reduced_vocab(model, torch.arange(0, VOCAB, 2))
     head = model.get_output_embeddings()
-    assert isinstance(head, ReducedVocabHead) and not head.onednn_widths
-    assert route_linears(model, "onednn") == {"layers": 1, "widths": list(CALIBRATION_ROWS)}  # only the new head
-    assert head.onednn_widths == frozenset(CALIBRATION_ROWS) and first > 1
+    assert isinstance(head, ReducedVocabHead) and not head.width_kernels
+    assert route_linears(model, "onednn") == {"layers": 1, "kernels": {"onednn": list(CALIBRATION_ROWS)}}  # the head
+    assert head.width_kernels == forced_kernels("onednn") and first > 1
     with torch.no_grad():
         reduced = model(ids).logits
     torch.testing.assert_close(reduced[..., ::2], full[..., ::2], rtol=1e-4, atol=1e-4)
@@ -176,19 +200,26 @@ def test_builds_without_onednn_keep_torchs_kernel(monkeypatch):
     from pyramid_hf import cpu_linear
     from pyramid_hf.feature_train import FeatureDraftArguments
 
+    monkeypatch.setattr(cpu_linear, "_measured", {})
     monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
     model = tiny_model("llama", 32, 2)
-    assert route_linears(model, "auto") == {"layers": 0, "widths": []}
+    assert set(route_linears(model, "auto")["kernels"]) <= {"skinny"}  # the few-row kernel alone, where it won
     with pytest.raises(RuntimeError, match="cpu_linear='onednn' needs a torch build with oneDNN"):
         route_linears(model, "onednn")
+    monkeypatch.setattr(cpu_linear, "skinny_available", lambda: False)  # neither: torch's kernel everywhere
+    monkeypatch.setattr(cpu_linear, "_measured", {})
+    assert route_linears(tiny_model("llama", 32, 2), "auto") == {"layers": 0, "kernels": {}}
+    with pytest.raises(RuntimeError, match="cpu_linear='skinny' needs the few-row kernel, which could not be built"):
+        route_linears(tiny_model("llama", 32, 2), "skinny")
     monkeypatch.undo()
     monkeypatch.setattr(cpu_linear, "_measured", {})
+    monkeypatch.setattr(cpu_linear, "skinny_available", lambda: False)
 
     def broken(*args):
         raise RuntimeError("mkldnn not supported on this platform")
 
     monkeypatch.setattr(cpu_linear, "onednn_linear", broken)
-    assert measure_onednn_widths(torch.randn(48, 32), rows=(1,), repeats=1) == frozenset()
+    assert measure_kernels(torch.randn(48, 32), rows=(1,), repeats=1) == {}
     with pytest.raises(ValueError, match="unknown cpu_linear 'fast'"):
         FeatureDraftArguments(cpu_linear="fast")
 
@@ -201,11 +232,13 @@ def test_models_list_says_what_this_machine_makes_the_defaults(monkeypatch, caps
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda device: False)
     monkeypatch.setattr(cpu_kernels, "onednn_available", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "skinny_available", lambda: True)
     line = hardware_summary()
     assert "bf16 matmuls on the CPU emulated" in line and "default --dtype float32" in line
-    assert "oneDNN available" in line
+    assert "times torch's kernel against oneDNN and the few-row AVX2 kernel" in line
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda device: True)
     monkeypatch.setattr(cpu_kernels, "onednn_available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "skinny_available", lambda: False)
     line = hardware_summary()
     assert "in hardware -> default --dtype bfloat16" in line and "no oneDNN in this torch build" in line
     assert main(["models", "list"]) == 0

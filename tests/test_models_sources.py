@@ -112,7 +112,7 @@ def model_folder(tmp_path_factory):
 
 def test_local_folder_loads_with_its_tokenizer_and_dtype(model_folder):
     folder, model = model_folder
-    loaded = loading.load_model(str(folder), dtype="float32")
+    loaded = loading.load_model(str(folder), dtype="float32", cpu_linear="torch")
     assert loaded.origin == f"local folder {folder}" and loaded.tokenizer is not None
     ids = torch.tensor([[3, 4, 5]])
     assert torch.equal(loaded.model(ids).logits, model(ids).logits)

@@ -94,15 +94,17 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
     A local folder with a ``reduced_vocab.json`` sidecar gets its reduced-vocabulary LM head
     (`pyramid_hf.vocab_head`) unless ``reduced_vocab=False``.
 
-    ``cpu_linear`` (``"auto"``, ``"onednn"``, ``"torch"``): float32 linears on CPU run their no-grad calls on oneDNN
-    where it measured faster than torch's default kernel (`pyramid_hf.cpu_linear`); training is untouched.
+    ``cpu_linear`` (``"auto"``, ``"skinny"``, ``"onednn"``, ``"torch"``): float32 linears on CPU run their no-grad calls
+    on oneDNN or the few-row AVX2 kernel where it measured faster than torch's default kernel
+    (`pyramid_hf.cpu_linear`); training is untouched.
     """
-    from ..cpu_linear import route_linears
+    from ..cpu_linear import KERNEL_NAMES, route_linears
 
     loaded = _load(source, resolve_dtype(dtype), device_map, offline_fallback, reduced_vocab)
     routed = route_linears(loaded.model, cpu_linear)
     if routed["layers"]:
-        loaded.origin += f" (float32 linears on oneDNN at call widths {routed['widths']}, measured on this CPU)"
+        routes = "; ".join(f"{KERNEL_NAMES[k]} at call widths {w}" for k, w in routed["kernels"].items())
+        loaded.origin += f" (float32 linears: {routes}, measured on this CPU)"
     return loaded
 
 

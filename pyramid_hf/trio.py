@@ -47,7 +47,8 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
               dtype=None, device_map=None, need_draft: bool = True,
               qualifier_vocab_size: int | None = None, qualifier_quantization: str | None = None,
               cpu_linear: str = "auto") -> Trio:
-    """Load the target, qualifier and draft named by ``preset`` (a `Preset`), each overridable by a source string.
+    """Load the target, qualifier and draft named by ``preset`` (a `Preset` or a preset's name), each overridable by a
+    source string.
 
     ``draft`` may also be ``"prompt_lookup"`` (free n-gram drafting over the text so far), ``"ngram"`` (that plus
     a standard-library n-gram table, built once per tokenizer and cached) or ``"none"``. ``need_draft=False`` skips
@@ -57,12 +58,14 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
     the target verifies a proper distribution. ``qualifier_quantization`` (default: the preset's; ``"none"`` or
     ``"int8"``) gives the qualifier int8 weights for its narrow calls (`pyramid_hf.quantize`; CPU only, lossless).
     ``dtype`` (default `default_dtype`: bfloat16 where the device multiplies it in hardware, else float32).
-    ``cpu_linear`` (``"auto"``, ``"onednn"``, ``"torch"``) routes float32 CPU linears of all three models to oneDNN
-    where it measured faster than torch's default kernel (`pyramid_hf.cpu_linear`).
+    ``cpu_linear`` (``"auto"``, ``"skinny"``, ``"onednn"``, ``"torch"``) routes float32 CPU linears of all three
+    models to oneDNN or the few-row AVX2 kernel where it measured faster than torch's default (`pyramid_hf.cpu_linear`).
     """
     from .cpu_linear import route_linears
-    from .models import load_model
+    from .models import get_preset, load_model
 
+    if isinstance(preset, str):
+        preset = get_preset(preset)  # unknown names: ValueError listing the presets
     sources = {
         "target": target or (preset and _source_of(preset.target)),
         "qualifier": qualifier or (preset and _source_of(preset.qualifier)),

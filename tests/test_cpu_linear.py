@@ -244,3 +244,10 @@ def test_models_list_says_what_this_machine_makes_the_defaults(monkeypatch, caps
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "this machine:" in out and "qwen-coder-cpu" in out.split("this machine:")[0]
+
+
+def test_load_trio_takes_a_preset_name_and_names_the_presets_on_a_typo():
+    from pyramid_hf.trio import load_trio
+
+    with pytest.raises(ValueError, match="unknown preset 'qwen-coder-cpx'; available: .*qwen-coder-cpu"):
+        load_trio("qwen-coder-cpx")

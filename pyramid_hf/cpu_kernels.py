@@ -7,7 +7,8 @@
   3.6 / 12.3 ms on MKL and 2.4 / 4.5 ms on oneDNN.
 - ``torch.utils.cpp_extension.load``: compiles ``pyramid_hf/csrc/skinny_linear.cpp`` once per machine, a float32
   linear for calls of few rows on AVX2 CPUs (`skinny_linear`); where it cannot be built (no compiler, no AVX2) the
-  other kernels serve.
+  other kernels serve; and ``pyramid_hf/csrc/skinny_linear_bf16.cpp``, a bf16 linear for calls of few rows on CPUs with
+  AVX512-BF16 (`skinny_linear_bf16`), where a one-token call reads the weights faster than torch's bf16 kernel.
 - ``torch.cpu._is_amx_tile_supported`` / ``torch.cpu._is_avx512_bf16_supported``: whether bf16 matmuls run in
   hardware (`native_bf16`).
 
@@ -33,6 +34,7 @@ logger = logging.getLogger("pyramid_hf")
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)  # call widths (rows) at which kernels are timed against each other
 SKINNY_MAX_ROWS = 16  # widest call the few-row kernel is timed (and used) at
 SKINNY_SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
+SKINNY_BF16_SOURCE = Path(__file__).parent / "csrc" / "skinny_linear_bf16.cpp"
 COLD_BYTES_CAP = 512 * 2**20  # most memory the cold-cache timing copies may take
 
 
@@ -56,18 +58,12 @@ def onednn_available() -> bool:
         return False
 
 
-@functools.cache
-def _skinny_extension():
-    """The compiled few-row kernel (torch caches the build per machine: ~30 s once), or None where it cannot run."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        logger.info("few-row float32 kernel not used: this CPU has no AVX2")
-        return None
+def _compile(name: str, source: Path, flags: list[str], what: str):
+    """``source`` compiled and loaded as extension ``name`` (torch caches the build per machine: ~30 s once), or
+    None, with a log line saying why, where it cannot be built."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        logger.warning("few-row float32 kernel not built: no C++ compiler (%s) on PATH; oneDNN / torch kernels serve",
-                       compiler)
+        logger.warning("%s not built: no C++ compiler (%s) on PATH; the library kernels serve", what, compiler)
         return None
     if shutil.which("ninja") is None:  # torch's builder runs ninja: the pip package's copy, outside an active venv
         try:
@@ -79,14 +75,36 @@ def _skinny_extension():
     try:
         from torch.utils.cpp_extension import load
 
-        logger.info("loading the few-row float32 CPU kernel (%s; compiled on first use, ~30 s, then cached by torch)",
-                    SKINNY_SOURCE.name)
-        return load(name="pyramid_hf_skinny_linear_v1", sources=[str(SKINNY_SOURCE)],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=False)
+        logger.info("loading the %s (%s; compiled on first use, ~30 s, then cached by torch)", what, source.name)
+        return load(name=name, sources=[str(source)], extra_cflags=["-O3", *flags, "-fopenmp"], verbose=False)
     except Exception as error:  # noqa: BLE001 - any build failure: fall back, never crash decoding
-        logger.warning("few-row float32 kernel not built (%s: %s); oneDNN / torch kernels serve",
-                       type(error).__name__, str(error).strip().splitlines()[-1:] or "")
+        logger.warning("%s not built (%s: %s); the library kernels serve", what, type(error).__name__,
+                       str(error).strip().splitlines()[-1:] or "")
         return None
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+@functools.cache
+def _skinny_extension():
+    """The compiled few-row float32 kernel, or None where it cannot run (no AVX2, no compiler)."""
+    if not _x86():
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        logger.info("few-row float32 kernel not used: this CPU has no AVX2")
+        return None
+    return _compile("pyramid_hf_skinny_linear_v1", SKINNY_SOURCE, ["-mavx2", "-mfma"], "few-row float32 CPU kernel")
+
+
+@functools.cache
+def _skinny_bf16_extension():
+    """The compiled few-row bf16 kernel, or None where it cannot run (no AVX512-BF16, no compiler)."""
+    if not _x86() or not torch.cpu._is_avx512_bf16_supported():
+        return None
+    return _compile("pyramid_hf_skinny_linear_bf16_v1", SKINNY_BF16_SOURCE,
+                    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"], "few-row bf16 CPU kernel")
 
 
 def skinny_available() -> bool:
@@ -98,6 +116,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``nn.functional.linear(x, weight, bias)`` in float32 by the few-row kernel (CPU, no autograd): each output
     row is computed in the same order whatever the number of rows in the call."""
     return _skinny_extension().skinny_linear(x, weight, bias)
+
+
+def skinny_bf16_available() -> bool:
+    """Whether `skinny_linear_bf16` runs here (x86 CPU with AVX512-BF16, a C++ compiler; built on first call)."""
+    return _skinny_bf16_extension() is not None
+
+
+def skinny_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``nn.functional.linear(x, weight, bias)`` for bf16 ``x`` and ``weight`` by the few-row kernel (float32
+    sums rounded once to bf16; CPU, no autograd); each output row is the same whatever the number of rows."""
+    return _skinny_bf16_extension().skinny_linear_bf16(x, weight, bias)
 
 
 def native_bf16(device="cpu") -> bool:

@@ -1,4 +1,4 @@
-"""Float32 CPU linears on the fastest of three kernels, measured per weight shape and call width.
+"""Float32 and bf16 CPU linears on the fastest of their kernels, measured per weight shape and call width.
 
 Eager float32 ``nn.Linear`` on CPU runs MKL's sgemm. On an AMD EPYC seen here (AVX2, no AVX512) MKL runs narrow
 calls far below the CPU's speed, while oneDNN, the library torch's compiler uses for CPU linears, does not. The
@@ -13,8 +13,13 @@ Which kernel wins depends on the CPU, so ``cpu_linear="auto"`` times them, once 
 1, 2, 4 ... 64 rows, on weights read from memory rather than cache (`pyramid_hf.cpu_kernels.cold`) and on at most
 ``PROBE_OUT_FEATURES`` output rows (a 151936-token head would take seconds); a `RoutedLinear` sends a call to the
 kernel that won at the measured width that covers it, if it beat torch's by 5%. A reduced-vocabulary LM head
-(`pyramid_hf.vocab_head`) is routed the same way. Only float32 weights on CPU, only without gradients: training
-and other dtypes run as before.
+(`pyramid_hf.vocab_head`) is routed the same way. Only without gradients: training runs as before.
+
+bf16 weights have two kernels: torch's (oneDNN, on AMX tiles where the CPU has them) and the few-row bf16 kernel
+(`pyramid_hf.cpu_kernels.skinny_linear_bf16`, AVX512-BF16). On a 2-core AMX Xeon seen here torch's reads a one-row
+call's weights at ~13 GB/s, the few-row kernel at ~21 (8960 x 1536: 2.2 -> 1.3 ms), while from 4 rows on AMX wins;
+the 1.5B target's one-token forward went 234 -> 167 ms, its 4- to 13-token forwards (verification) stayed ~235.
+Where the few-row bf16 kernel cannot run, bf16 layers are left as they are.
 
 Exactness: the kernels compute the same float32 product in other summation orders (logits of the 1.5B differ by
 <1e-4, the same size as MKL's own differences between a 1-row and an 8-row call). Every method in a run, target-only
@@ -37,21 +42,36 @@ from .cpu_kernels import (
     onednn_available,
     onednn_linear,
     skinny_available,
+    skinny_bf16_available,
     skinny_linear,
+    skinny_linear_bf16,
     time_kernels,
 )
 
 logger = logging.getLogger("pyramid_hf")
 
 MODES = ("auto", "skinny", "onednn", "torch")
-KERNELS = {"onednn": onednn_linear, "skinny": skinny_linear}  # the alternatives to torch's default kernel
-KERNEL_NAMES = {"onednn": "oneDNN", "skinny": "the few-row AVX2 kernel"}  # as logs and reports name them
+ROUTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """The few-row kernel for the weights' dtype: AVX2 float32 or AVX512-BF16 bf16 (`pyramid_hf.cpu_kernels`)."""
+    return (skinny_linear_bf16 if weight.dtype == torch.bfloat16 else skinny_linear)(x, weight, bias)
+
+
+def few_row_available(dtype: torch.dtype) -> bool:
+    return skinny_bf16_available() if dtype == torch.bfloat16 else skinny_available()
+
+
+KERNELS = {"onednn": onednn_linear, "skinny": few_row_linear}  # the alternatives to torch's default kernel
+KERNEL_NAMES = {"onednn": "oneDNN", "skinny": "the few-row kernel"}  # as logs and reports name them
 PROBE_OUT_FEATURES = 8192  # output rows timed: the kernels' relative speed depends on the call width, not on this
 MIN_GAIN = 0.95  # another kernel must take at most 95% of torch's time at a width to be used there
 _measured: dict[tuple, dict] = {}  # (out, in) -> {width: kernel}, measured once per process
-CPU_LINEAR_HELP = ("float32 linears on CPU: auto (per call width, the fastest of torch's kernel, oneDNN and the "
-                   "few-row AVX2 kernel, measured here), skinny (the few-row kernel up to 16 rows, oneDNN above), "
-                   "onednn (always), torch (never another)")
+CPU_LINEAR_HELP = ("float32 and bf16 linears on CPU: auto (per call width, the fastest of torch's kernel, oneDNN "
+                   "(float32) and the few-row kernel (float32 on AVX2, bf16 on AVX512-BF16), measured here), skinny "
+                   "(the few-row kernel up to 16 rows, oneDNN above for float32), onednn (float32 always; bf16 as "
+                   "torch), torch (never another)")
 DTYPE_HELP = ("model dtype: bfloat16, float32, float16; default: bfloat16 where the hardware multiplies it (GPUs, CPUs "
               "with AMX / AVX512-BF16), float32 elsewhere")
 
@@ -81,42 +101,45 @@ def fastest_kernels(rows, timings: dict) -> dict:
 def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, width_kernels: dict) -> torch.Tensor:
     """``nn.functional.linear`` on the kernel ``width_kernels`` names for the call's covering width (torch's
     default where it names none, under autograd, and for other dtypes and devices)."""
-    if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
+    if (torch.is_grad_enabled() or x.dtype not in ROUTED_DTYPES or x.dtype != weight.dtype or x.device.type != "cpu"
+            or x.numel() == 0):
         return nn.functional.linear(x, weight, bias)
     kernel = width_kernels.get(covering_width(x.numel() // x.shape[-1]))
     return (KERNELS[kernel] if kernel else nn.functional.linear)(x, weight, bias)
 
 
-def forced_kernels(mode: str) -> dict:
-    """The routing of a mode that does not measure: ``"onednn"`` everywhere, ``"skinny"`` up to its widest."""
+def forced_kernels(mode: str, dtype: torch.dtype = torch.float32) -> dict:
+    """The routing of a mode that does not measure: ``"onednn"`` everywhere, ``"skinny"`` up to its widest (and
+    oneDNN above it); for bf16, which torch already runs on oneDNN, only ``"skinny"`` routes (up to its widest)."""
+    wide = "onednn" if dtype == torch.float32 and onednn_available() else None
     if mode == "onednn":
-        return dict.fromkeys(CALIBRATION_ROWS, "onednn")
-    return {w: "skinny" if w <= SKINNY_MAX_ROWS else "onednn" for w in CALIBRATION_ROWS
-            if w <= SKINNY_MAX_ROWS or onednn_available()}
+        return dict.fromkeys(CALIBRATION_ROWS, wide) if wide else {}
+    return {w: "skinny" if w <= SKINNY_MAX_ROWS else wide for w in CALIBRATION_ROWS if w <= SKINNY_MAX_ROWS or wide}
 
 
 def measure_kernels(weight: torch.Tensor, rows=CALIBRATION_ROWS, repeats: int = 5) -> dict:
-    """``{width: kernel}``: where oneDNN or the few-row kernel beats torch's default for ``weight`` on this machine."""
+    """``{width: kernel}``: where oneDNN (float32) or the few-row kernel beats torch's default for ``weight`` (float32
+    or bf16) on this machine."""
     weight = weight.detach()[:PROBE_OUT_FEATURES]
-    key = tuple(weight.shape)
+    key = (*weight.shape, weight.dtype)
     if key not in _measured:
         kernels = {"torch": cold(nn.functional.linear, weight)}
-        if onednn_available():
+        if onednn_available() and weight.dtype == torch.float32:
             kernels["onednn"] = cold(lambda v, w: onednn_linear(v, w, None), weight)
-        if skinny_available():
-            kernels["skinny"] = cold(lambda v, w: skinny_linear(v, w, None), weight)
+        if few_row_available(weight.dtype):
+            kernels["skinny"] = cold(lambda v, w: few_row_linear(v, w, None), weight)
         try:
-            timings = time_kernels(kernels, weight.shape[1], torch.float32, rows, repeats,
+            timings = time_kernels(kernels, weight.shape[1], weight.dtype, rows, repeats,
                                    max_rows={"skinny": SKINNY_MAX_ROWS})
             _measured[key] = fastest_kernels(rows, timings)
         except RuntimeError as error:  # a build whose oneDNN cannot run this op: keep torch's kernel
-            logger.info("another float32 kernel unavailable for %s weights (%s): torch's kernel kept", key, error)
+            logger.info("another kernel unavailable for %s weights (%s): torch's kernel kept", key, error)
             _measured[key] = {}
     return _measured[key]
 
 
 class RoutedLinear(nn.Linear):
-    """An ``nn.Linear`` (same parameters, same state-dict keys) whose no-grad float32 CPU calls run on the kernel
+    """An ``nn.Linear`` (same parameters, same state-dict keys) whose no-grad float32 / bf16 CPU calls run on the kernel
     ``width_kernels`` names for their width (`routed_linear`). Made in place by `route_linears`."""
 
     width_kernels: dict = {}
@@ -149,10 +172,18 @@ def as_routed(linear: nn.Linear, width_kernels: dict) -> RoutedLinear:
     return linear
 
 
+def _routable(weight: torch.Tensor) -> bool:
+    """Float32 CPU weights, and bf16 ones where the few-row bf16 kernel runs (torch runs other bf16 calls on
+    oneDNN already)."""
+    return weight.device.type == "cpu" and (weight.dtype == torch.float32 or
+                                             (weight.dtype == torch.bfloat16 and skinny_bf16_available()))
+
+
 def route_linears(model: nn.Module, mode: str = "auto") -> dict:
-    """Route ``model``'s float32 CPU ``nn.Linear`` layers (and a reduced-vocabulary LM head), in place: ``"auto"``
-    to the kernel that measured fastest here per call width, ``"skinny"`` to the few-row kernel up to 16 rows and
-    oneDNN above, ``"onednn"`` always to oneDNN, ``"torch"`` never; layers already routed are left as they are.
+    """Route ``model``'s float32 / bf16 CPU ``nn.Linear`` layers (and a reduced-vocabulary LM head), in place:
+    ``"auto"`` to the kernel that measured fastest here per call width, ``"skinny"`` to the few-row kernel up to 16
+    rows and (float32) oneDNN above, ``"onednn"`` (float32) always to oneDNN, ``"torch"`` never; layers already
+    routed are left as they are. bf16 layers route only where the few-row bf16 kernel runs (AVX512-BF16).
     Returns ``{"layers": n, "kernels": {kernel: [widths]}}``: how many layers route at least one width, and the
     union of widths per kernel."""
     from .vocab_head import ReducedVocabHead
@@ -162,19 +193,24 @@ def route_linears(model: nn.Module, mode: str = "auto") -> dict:
     if mode == "onednn" and not onednn_available():
         raise RuntimeError("cpu_linear='onednn' needs a torch build with oneDNN (torch.backends.mkldnn); this one "
                            "has none: use cpu_linear='auto' or 'torch'")
-    if mode == "skinny" and not skinny_available():
-        raise RuntimeError("cpu_linear='skinny' needs the few-row kernel, which could not be built here (it needs an "
-                           "x86 CPU with AVX2 and a C++ compiler; the log says what failed): use cpu_linear='auto' "
-                           "or 'torch'")
+    if mode == "skinny":
+        dtypes = {p.dtype for p in model.parameters() if p.device.type == "cpu"} & set(ROUTED_DTYPES)
+        missing = [str(d).removeprefix("torch.") for d in sorted(dtypes, key=str) if not few_row_available(d)]
+        if missing:
+            raise RuntimeError(f"cpu_linear='skinny' needs the few-row kernel for {', '.join(missing)}, which could "
+                               "not be built here (float32 needs an x86 CPU with AVX2, bfloat16 one with AVX512-BF16, "
+                               "both a C++ compiler; the log says what failed): use cpu_linear='auto' or 'torch'")
     layers, kernels = 0, {}
     for module in list(model.modules()):
-        if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
-            chosen = forced_kernels(mode) if mode != "auto" else measure_kernels(module.weight)
+        if type(module) is nn.Linear and _routable(module.weight):
+            weight = module.weight
+            chosen = forced_kernels(mode, weight.dtype) if mode != "auto" else measure_kernels(weight)
             if chosen:
                 as_routed(module, chosen)
         elif (isinstance(module, ReducedVocabHead) and module.kept_linear is None and not module.width_kernels
-              and module.kept_weight.dtype == torch.float32 and module.kept_weight.device.type == "cpu"):
-            chosen = forced_kernels(mode) if mode != "auto" else measure_kernels(module.kept_weight)
+              and _routable(module.kept_weight)):
+            weight = module.kept_weight
+            chosen = forced_kernels(mode, weight.dtype) if mode != "auto" else measure_kernels(weight)
             module.width_kernels = dict(sorted(chosen.items()))
         else:
             continue

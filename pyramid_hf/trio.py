@@ -58,8 +58,9 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
     the target verifies a proper distribution. ``qualifier_quantization`` (default: the preset's; ``"none"`` or
     ``"int8"``) gives the qualifier int8 weights for its narrow calls (`pyramid_hf.quantize`; CPU only, lossless).
     ``dtype`` (default `default_dtype`: bfloat16 where the device multiplies it in hardware, else float32).
-    ``cpu_linear`` (``"auto"``, ``"skinny"``, ``"onednn"``, ``"torch"``) routes float32 CPU linears of all three
-    models to oneDNN or the few-row AVX2 kernel where it measured faster than torch's default (`pyramid_hf.cpu_linear`).
+    ``cpu_linear`` (``"auto"``, ``"skinny"``, ``"onednn"``, ``"torch"``) routes CPU linears of all three models
+    (float32: to oneDNN or the few-row AVX2 kernel; bf16: to the few-row AVX512-BF16 kernel) where that measured
+    faster than torch's default (`pyramid_hf.cpu_linear`).
     """
     from .cpu_linear import route_linears
     from .models import get_preset, load_model
@@ -119,20 +120,23 @@ def default_dtype(device_map=None) -> str:
 
 
 def hardware_summary() -> str:
-    """One line on what this machine makes the defaults: the dtype, and which float32 CPU linear kernels it has."""
+    """One line on what this machine makes the defaults: the dtype, and which CPU linear kernels it has for it."""
     import torch
 
-    from .cpu_kernels import onednn_available, skinny_available
+    from .cpu_kernels import onednn_available, skinny_available, skinny_bf16_available
 
     gpu = torch.cuda.is_available()
     dtype = default_dtype("auto" if gpu else None)
     units = "in hardware" if dtype == "bfloat16" else "emulated (no AMX / AVX512-BF16)"
-    others = [name for name, available in (("oneDNN", onednn_available), ("the few-row AVX2 kernel", skinny_available))
-              if available()]
+    if dtype == "bfloat16":
+        others = [name for name, available in (("the few-row bf16 kernel", skinny_bf16_available),) if available()]
+    else:
+        others = [name for name, available in (("oneDNN", onednn_available), ("the few-row AVX2 kernel",
+                                                                             skinny_available)) if available()]
     linears = (f"--cpu_linear auto times torch's kernel against {' and '.join(others)} per weight shape at load"
-               if others else "torch's kernel (no oneDNN in this torch build, no few-row kernel on this CPU)")
+               if others else "torch's kernel (no other kernel for this dtype here)")
     return (f"this machine: bf16 matmuls on the {'GPU' if gpu else 'CPU'} {units} -> default --dtype {dtype}; "
-            f"float32 CPU linears: {linears}")
+            f"{dtype} CPU linears: {linears}")
 
 
 def _warn_emulated_bf16(target) -> None:

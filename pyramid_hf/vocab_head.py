@@ -85,7 +85,7 @@ class ReducedVocabHead(nn.Module):
         bias = getattr(full_head, "bias", None)
         self.kept_bias = None if bias is None else nn.Parameter(bias.detach()[self.kept_ids].clone())
         self.kept_linear = None  # set by `quantize`
-        self.width_kernels = {}  # call width -> float32 CPU kernel, set by `cpu_linear.route_linears`
+        self.width_kernels = {}  # call width -> float32 / bf16 CPU kernel, set by `cpu_linear.route_linears`
 
     def quantize(self, max_int8_rows: int | str = "auto") -> None:
         """Int8 kept rows for narrow calls (`pyramid_hf.quantize.Int8Linear`); the float rows serve wider ones."""

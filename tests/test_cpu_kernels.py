@@ -19,7 +19,9 @@ from pyramid_hf.cpu_kernels import (
     onednn_available,
     onednn_linear,
     skinny_available,
+    skinny_bf16_available,
     skinny_linear,
+    skinny_linear_bf16,
     time_kernels,
 )
 from pyramid_hf.quantize import quantize_rows
@@ -150,6 +152,72 @@ def test_the_few_row_kernel_rejects_what_it_cannot_compute_and_falls_back_when_u
     finally:
         monkeypatch.undo()
         cpu_kernels._skinny_extension.cache_clear()
+
+
+def _can_build_skinny_bf16() -> bool:
+    return (platform.machine().lower() in ("x86_64", "amd64") and shutil.which("c++") is not None
+            and torch.cpu._is_avx512_bf16_supported())
+
+
+@pytest.mark.parametrize("in_features,out_features", [(64, 40), (37, 11), (1536, 13), (8, 4)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_few_row_bf16_kernel_builds_where_it_can_and_computes_a_bf16_linear(in_features, out_features, bias):
+    """``pyramid_hf/csrc/skinny_linear_bf16.cpp``: built on x86 CPUs with AVX512-BF16 and a compiler, the bf16 linear
+    to within one bf16 rounding of the exact result, for every width up to past the widest, input tails (not a
+    multiple of 32) and output tails (not a multiple of 4) included, 2D / 3D / strided inputs."""
+    assert skinny_bf16_available() == _can_build_skinny_bf16()
+    if not _can_build_skinny_bf16():
+        return
+    g = torch.Generator().manual_seed(in_features * out_features)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    for rows in (*range(1, SKINNY_MAX_ROWS + 2), 40):
+        x = torch.randn(rows, in_features, generator=g).bfloat16()
+        got = skinny_linear_bf16(x, weight, b)
+        exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5 * math.sqrt(in_features))
+    x3 = torch.randn(2, 5, in_features, generator=g).bfloat16()
+    for view in (x3, x3[:, -1:], x3[:, ::2], x3.transpose(0, 1)):
+        torch.testing.assert_close(skinny_linear_bf16(view, weight, b).double(),
+                                   torch.nn.functional.linear(view.double(), weight.double(),
+                                                              None if b is None else b.double()),
+                                   rtol=2**-8, atol=1e-5 * math.sqrt(in_features))
+
+
+def test_the_few_row_bf16_kernel_gives_each_row_the_same_bits_whatever_the_call_width():
+    if not _can_build_skinny_bf16():
+        assert not skinny_bf16_available()
+        return
+    g = torch.Generator().manual_seed(6)
+    weight, bias = torch.randn(45, 203, generator=g).bfloat16(), torch.randn(45, generator=g).bfloat16()
+    x = torch.randn(17, 203, generator=g).bfloat16()
+    alone = torch.cat([skinny_linear_bf16(x[i : i + 1], weight, bias) for i in range(17)])
+    for rows in range(2, 18):
+        assert torch.equal(skinny_linear_bf16(x[:rows], weight, bias), alone[:rows]), rows
+
+
+def test_the_few_row_bf16_kernel_rejects_what_it_cannot_compute_and_falls_back_when_unbuildable(monkeypatch):
+    if _can_build_skinny_bf16():
+        weight = torch.randn(8, 16).bfloat16()
+        with pytest.raises(RuntimeError, match="x must be bfloat16"):
+            skinny_linear_bf16(torch.randn(2, 16), weight, None)
+        with pytest.raises(RuntimeError, match="weight must be a 2-d bfloat16 CPU tensor"):
+            skinny_linear_bf16(torch.randn(2, 16).bfloat16(), weight.float(), None)
+        with pytest.raises(RuntimeError, match=r"x's last dim \(15\) must equal the weight's in_features \(16\)"):
+            skinny_linear_bf16(torch.randn(2, 15).bfloat16(), weight, None)
+        with pytest.raises(RuntimeError, match="bias must be bfloat16 of 8 values"):
+            skinny_linear_bf16(torch.randn(2, 16).bfloat16(), weight, torch.randn(8))
+    cpu_kernels._skinny_bf16_extension.cache_clear()
+    try:
+        monkeypatch.setenv("CXX", "no-such-compiler-here")
+        assert not skinny_bf16_available()  # no compiler: torch's kernels serve, nothing crashes
+        cpu_kernels._skinny_bf16_extension.cache_clear()
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+        assert not skinny_bf16_available()  # no AVX512-BF16
+    finally:
+        monkeypatch.undo()
+        cpu_kernels._skinny_bf16_extension.cache_clear()
 
 
 def test_cold_timing_cycles_through_copies_that_outsize_the_cache(monkeypatch):

@@ -9,7 +9,7 @@ from torch import nn
 
 from pyramid_hf import PyramidAssistant, PyramidConfig
 from pyramid_hf.bench.main import BenchArgs
-from pyramid_hf.cpu_kernels import CALIBRATION_ROWS, skinny_available
+from pyramid_hf.cpu_kernels import CALIBRATION_ROWS, SKINNY_MAX_ROWS, skinny_available, skinny_bf16_available
 from pyramid_hf.cpu_linear import (
     PROBE_OUT_FEATURES,
     RoutedLinear,
@@ -100,11 +100,39 @@ def test_widths_are_measured_once_per_shape(monkeypatch):
     chosen = measure_kernels(torch.randn(48, 32), rows=(1, 2, 32), repeats=1)
     assert set(chosen) <= {1, 2, 32} and set(chosen.values()) <= {"onednn", "skinny"}
     assert chosen.get(32) != "skinny"  # never timed above its widest (16 rows), so never chosen there
-    assert cpu_linear._measured == {(48, 32): chosen}
-    cpu_linear._measured[(48, 32)] = {4: "onednn"}  # a second layer of that shape reads the measurement
+    assert cpu_linear._measured == {(48, 32, torch.float32): chosen}
+    cpu_linear._measured[(48, 32, torch.float32)] = {4: "onednn"}  # a second layer of that shape reads it
     assert measure_kernels(torch.randn(48, 32)) == {4: "onednn"}
     measure_kernels(torch.randn(PROBE_OUT_FEATURES + 10, 8), rows=(1,), repeats=1)
-    assert (PROBE_OUT_FEATURES, 8) in cpu_linear._measured  # only the first PROBE_OUT_FEATURES rows are timed
+    assert (PROBE_OUT_FEATURES, 8, torch.float32) in cpu_linear._measured  # only PROBE_OUT_FEATURES rows timed
+    chosen_bf16 = measure_kernels(torch.randn(48, 32).bfloat16(), rows=(1, 2, 32), repeats=1)
+    assert set(chosen_bf16.values()) <= ({"skinny"} if skinny_bf16_available() else set())  # torch's bf16 is oneDNN
+    assert chosen_bf16.get(32) is None
+
+
+def test_bf16_layers_route_to_the_few_row_kernel_where_it_runs_and_stay_close_to_torch(monkeypatch):
+    """bf16 models route only to the few-row AVX512-BF16 kernel (torch already runs bf16 on oneDNN), and only where
+    it can be built; a routed model's logits stay within bf16 rounding of the plain model's."""
+    from pyramid_hf import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_measured", {})
+    plain = tiny_model("qwen2", 64, 2, seed=3).to(torch.bfloat16)
+    routed = tiny_model("qwen2", 64, 2, seed=3).to(torch.bfloat16)
+    assert forced_kernels("onednn", torch.bfloat16) == {}
+    if not skinny_bf16_available():
+        with pytest.raises(RuntimeError, match="few-row kernel for bfloat16"):
+            route_linears(routed, "skinny")
+        assert route_linears(routed, "auto")["layers"] == 0
+        return
+    report = route_linears(routed, "skinny")
+    assert report["kernels"] == {"skinny": [w for w in CALIBRATION_ROWS if w <= SKINNY_MAX_ROWS]}
+    ids = _ids(7)
+    with torch.no_grad():
+        torch.testing.assert_close(routed(ids).logits.float(), plain(ids).logits.float(), rtol=0.05, atol=0.05)
+        hidden = torch.randn(1, 5, 64).bfloat16()
+        up_proj = routed.model.layers[0].mlp.up_proj
+        alone = torch.cat([up_proj(hidden[:, i : i + 1]) for i in range(5)], dim=1)
+        assert torch.equal(up_proj(hidden), alone)  # a verified block's rows equal one-token steps, bit for bit
 
 
 def test_int8_layers_time_themselves_against_the_routed_float_path(monkeypatch):
@@ -158,7 +186,7 @@ def test_load_trio_routes_float32_models_and_picks_the_dtype(tmp_path, monkeypat
     for role in ("target", "qualifier", "draft"):
         model = getattr(trio, role)
         assert any(isinstance(m, RoutedLinear) for m in model.modules()), role
-        assert ("float32 linears: oneDNN at call widths [4, 8]; the few-row AVX2 kernel at call widths [1, 2]"
+        assert ("float32 linears: oneDNN at call widths [4, 8]; the few-row kernel at call widths [1, 2]"
                 in trio.origins[role])
     assert any("float32 linears: oneDNN" in r.getMessage() for r in caplog.records)
     plain = load_trio(None, **folders, dtype="float32", cpu_linear="torch")
@@ -209,7 +237,7 @@ def test_builds_without_onednn_keep_torchs_kernel(monkeypatch):
     monkeypatch.setattr(cpu_linear, "skinny_available", lambda: False)  # neither: torch's kernel everywhere
     monkeypatch.setattr(cpu_linear, "_measured", {})
     assert route_linears(tiny_model("llama", 32, 2), "auto") == {"layers": 0, "kernels": {}}
-    with pytest.raises(RuntimeError, match="cpu_linear='skinny' needs the few-row kernel, which could not be built"):
+    with pytest.raises(RuntimeError, match="cpu_linear='skinny' needs the few-row kernel for float32, which could not be built"):
         route_linears(tiny_model("llama", 32, 2), "skinny")
     monkeypatch.undo()
     monkeypatch.setattr(cpu_linear, "_measured", {})
@@ -237,10 +265,12 @@ def test_models_list_says_what_this_machine_makes_the_defaults(monkeypatch, caps
     assert "bf16 matmuls on the CPU emulated" in line and "default --dtype float32" in line
     assert "times torch's kernel against oneDNN and the few-row AVX2 kernel" in line
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda device: True)
-    monkeypatch.setattr(cpu_kernels, "onednn_available", lambda: False)
-    monkeypatch.setattr(cpu_kernels, "skinny_available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "skinny_bf16_available", lambda: True)
     line = hardware_summary()
-    assert "in hardware -> default --dtype bfloat16" in line and "no oneDNN in this torch build" in line
+    assert "in hardware -> default --dtype bfloat16" in line
+    assert "bfloat16 CPU linears: --cpu_linear auto times torch's kernel against the few-row bf16 kernel" in line
+    monkeypatch.setattr(cpu_kernels, "skinny_bf16_available", lambda: False)
+    assert "bfloat16 CPU linears: torch's kernel (no other kernel for this dtype here)" in hardware_summary()
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "this machine:" in out and "qwen-coder-cpu" in out.split("this machine:")[0]

@@ -95,8 +95,8 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
     (`pyramid_hf.vocab_head`) unless ``reduced_vocab=False``.
 
     ``cpu_linear`` (``"auto"``, ``"skinny"``, ``"onednn"``, ``"torch"``): float32 linears on CPU run their no-grad calls
-    on oneDNN or the few-row AVX2 kernel where it measured faster than torch's default kernel
-    (`pyramid_hf.cpu_linear`); training is untouched.
+    on oneDNN or the few-row AVX2 kernel, bf16 ones on the few-row AVX512-BF16 kernel, where that measured faster
+    than torch's default kernel (`pyramid_hf.cpu_linear`); training is untouched.
     """
     from ..cpu_linear import KERNEL_NAMES, route_linears
 
@@ -104,7 +104,7 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
     routed = route_linears(loaded.model, cpu_linear)
     if routed["layers"]:
         routes = "; ".join(f"{KERNEL_NAMES[k]} at call widths {w}" for k, w in routed["kernels"].items())
-        loaded.origin += f" (float32 linears: {routes}, measured on this CPU)"
+        loaded.origin += f" ({str(loaded.model.dtype).removeprefix('torch.')} linears: {routes}, measured on this CPU)"
     return loaded
 
 

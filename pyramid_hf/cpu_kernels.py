@@ -2,7 +2,8 @@
 
 - ``torch._weight_int8pack_mm``: int8 weight-only matmul (`pyramid_hf.quantize`).
 - ``torch.ops.mkldnn._linear_pointwise``: a float linear on oneDNN, the kernel torch's compiler uses for CPU linears
-  (`pyramid_hf.cpu_linear`). Eager float32 ``nn.functional.linear`` goes to MKL's sgemm instead, which on an AMD
+  (`pyramid_hf.cpu_linear`), on plain weights or on weights reordered once by ``torch.ops.mkldnn._reorder_linear_weight``
+  (`onednn_pack`). Eager float32 ``nn.functional.linear`` goes to MKL's sgemm instead, which on an AMD
   EPYC seen here (AVX2, no AVX512) runs narrow calls far below the CPU's speed: 8960 x 1536 at 1 / 8 rows took
   3.6 / 12.3 ms on MKL and 2.4 / 4.5 ms on oneDNN.
 - ``torch.utils.cpp_extension.load``: compiles ``pyramid_hf/csrc/skinny_linear.cpp`` once per machine, a float32
@@ -50,10 +51,17 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def onednn_pack(weight: torch.Tensor, rows: int = 16) -> torch.Tensor:
+    """``weight`` reordered once into oneDNN's blocked layout for calls of about ``rows`` rows (an opaque mkldnn
+    tensor that only `onednn_linear` reads): torch's eager linear reorders the plain weights on every call."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
 def onednn_available() -> bool:
     """Whether this torch build has oneDNN and its linear op (ARM and other builds may lack either)."""
     try:
-        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        return (bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
     except (AttributeError, RuntimeError):
         return False
 

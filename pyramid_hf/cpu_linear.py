@@ -29,7 +29,6 @@ decodes alone (``tests/test_cpu_linear.py``).
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -41,6 +40,7 @@ from .cpu_kernels import (
     cold,
     onednn_available,
     onednn_linear,
+    onednn_pack,
     skinny_available,
     skinny_bf16_available,
     skinny_linear,
@@ -63,8 +63,26 @@ def few_row_available(dtype: torch.dtype) -> bool:
     return skinny_bf16_available() if dtype == torch.bfloat16 else skinny_available()
 
 
-KERNELS = {"onednn": onednn_linear, "skinny": few_row_linear}  # the alternatives to torch's default kernel
-KERNEL_NAMES = {"onednn": "oneDNN", "skinny": "the few-row kernel"}  # as logs and reports name them
+def packed_weight(owner: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout (`pyramid_hf.cpu_kernels.onednn_pack`), packed on first use and cached on
+    ``owner`` outside its state dict; packed again whenever the weights change (an in-place update bumps their
+    version, ``.to()`` replaces them), so a stale copy is never read. It costs as much memory as the weights."""
+    key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+    cached = owner.__dict__.get("_packed_weight")
+    if cached is None or cached[0] != key:
+        cached = (key, onednn_pack(weight, SKINNY_MAX_ROWS))
+        owner.__dict__["_packed_weight"] = cached
+    return cached[1]
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias, owner: nn.Module) -> torch.Tensor:
+    return onednn_linear(x, packed_weight(owner, weight), bias)
+
+
+KERNELS = {"onednn": onednn_linear, "skinny": few_row_linear}  # the alternatives to torch's default kernel (and
+# "packed": `packed_linear`, which needs the layer that caches the packed weights)
+KERNEL_NAMES = {"onednn": "oneDNN", "skinny": "the few-row kernel",
+                "packed": "oneDNN on prepacked weights"}  # as logs and reports name them
 PROBE_OUT_FEATURES = 8192  # output rows timed: the kernels' relative speed depends on the call width, not on this
 MIN_GAIN = 0.95  # another kernel must take at most 95% of torch's time at a width to be used there
 _measured: dict[tuple, dict] = {}  # (out, in) -> {width: kernel}, measured once per process
@@ -98,20 +116,24 @@ def fastest_kernels(rows, timings: dict) -> dict:
     return chosen
 
 
-def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, width_kernels: dict) -> torch.Tensor:
+def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, width_kernels: dict,
+                  owner: nn.Module | None = None) -> torch.Tensor:
     """``nn.functional.linear`` on the kernel ``width_kernels`` names for the call's covering width (torch's
-    default where it names none, under autograd, and for other dtypes and devices)."""
+    default where it names none, under autograd, and for other dtypes and devices); ``owner``: the module that
+    caches prepacked weights (needed where a width names ``"packed"``)."""
     if (torch.is_grad_enabled() or x.dtype not in ROUTED_DTYPES or x.dtype != weight.dtype or x.device.type != "cpu"
             or x.numel() == 0):
         return nn.functional.linear(x, weight, bias)
     kernel = width_kernels.get(covering_width(x.numel() // x.shape[-1]))
+    if kernel == "packed":
+        return packed_linear(x, weight, bias, owner)
     return (KERNELS[kernel] if kernel else nn.functional.linear)(x, weight, bias)
 
 
 def forced_kernels(mode: str, dtype: torch.dtype = torch.float32) -> dict:
     """The routing of a mode that does not measure: ``"onednn"`` everywhere, ``"skinny"`` up to its widest (and
-    oneDNN above it); for bf16, which torch already runs on oneDNN, only ``"skinny"`` routes (up to its widest)."""
-    wide = "onednn" if dtype == torch.float32 and onednn_available() else None
+    oneDNN above it); bf16, which torch already runs on oneDNN, goes to oneDNN on prepacked weights instead."""
+    wide = ("onednn" if dtype == torch.float32 else "packed") if onednn_available() else None
     if mode == "onednn":
         return dict.fromkeys(CALIBRATION_ROWS, wide) if wide else {}
     return {w: "skinny" if w <= SKINNY_MAX_ROWS else wide for w in CALIBRATION_ROWS if w <= SKINNY_MAX_ROWS or wide}
@@ -126,6 +148,8 @@ def measure_kernels(weight: torch.Tensor, rows=CALIBRATION_ROWS, repeats: int = 
         kernels = {"torch": cold(nn.functional.linear, weight)}
         if onednn_available() and weight.dtype == torch.float32:
             kernels["onednn"] = cold(lambda v, w: onednn_linear(v, w, None), weight)
+        if onednn_available() and weight.dtype == torch.bfloat16:
+            kernels["packed"] = cold(lambda v, p: onednn_linear(v, p, None), onednn_pack(weight, SKINNY_MAX_ROWS))
         if few_row_available(weight.dtype):
             kernels["skinny"] = cold(lambda v, w: few_row_linear(v, w, None), weight)
         try:
@@ -138,19 +162,36 @@ def measure_kernels(weight: torch.Tensor, rows=CALIBRATION_ROWS, repeats: int = 
     return _measured[key]
 
 
+def cold_routed(weight: torch.Tensor, width_kernels: dict):
+    """``fn(x)``: ``x @ weight.T`` routed by ``width_kernels`` as `routed_linear` does, on copies of ``weight`` (and of
+    its prepacked form, where a width names ``"packed"``) read from memory, not cache (`cpu_kernels.cold`): what a
+    routed layer costs inside a whole forward."""
+    tensors = [weight.detach()]
+    if "packed" in width_kernels.values():
+        tensors.append(onednn_pack(weight, SKINNY_MAX_ROWS))
+
+    def run(x, weight_copy, packed_copy=None):
+        kernel = width_kernels.get(covering_width(x.numel() // x.shape[-1]))
+        if kernel == "packed":
+            return onednn_linear(x, packed_copy, None)
+        return (KERNELS[kernel] if kernel else nn.functional.linear)(x, weight_copy, None)
+
+    return cold(run, *tensors)
+
+
 class RoutedLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters, same state-dict keys) whose no-grad float32 / bf16 CPU calls run on the kernel
     ``width_kernels`` names for their width (`routed_linear`). Made in place by `route_linears`."""
 
     width_kernels: dict = {}
 
-    @property
-    def float_linear(self):
-        """``fn(x, weight, bias)`` routed like this layer: the float path `pyramid_hf.quantize.Int8Linear` times."""
-        return functools.partial(routed_linear, width_kernels=self.width_kernels)
+    def cold_float_linear(self, weight: torch.Tensor):
+        """`cold_routed` for this layer's routing: the float path `pyramid_hf.quantize.Int8Linear` times int8
+        against, on ``weight`` (a slice of this layer's)."""
+        return cold_routed(weight, self.width_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return routed_linear(x, self.weight, self.bias, self.width_kernels)
+        return routed_linear(x, self.weight, self.bias, self.width_kernels, self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {describe_routes(self.width_kernels)}"
@@ -173,10 +214,9 @@ def as_routed(linear: nn.Linear, width_kernels: dict) -> RoutedLinear:
 
 
 def _routable(weight: torch.Tensor) -> bool:
-    """Float32 CPU weights, and bf16 ones where the few-row bf16 kernel runs (torch runs other bf16 calls on
-    oneDNN already)."""
-    return weight.device.type == "cpu" and (weight.dtype == torch.float32 or
-                                             (weight.dtype == torch.bfloat16 and skinny_bf16_available()))
+    """Float32 and bf16 CPU weights that some kernel here may run faster than torch's."""
+    return weight.device.type == "cpu" and weight.dtype in ROUTED_DTYPES and (
+        onednn_available() or few_row_available(weight.dtype))
 
 
 def route_linears(model: nn.Module, mode: str = "auto") -> dict:

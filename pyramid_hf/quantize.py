@@ -61,17 +61,19 @@ def widest_faster(rows, float_ms, int8_ms) -> int:
 
 
 def measure_max_int8_rows(weight: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor,
-                          rows=CALIBRATION_ROWS, repeats: int = 5, float_linear=None) -> int:
+                          rows=CALIBRATION_ROWS, repeats: int = 5, width_kernels: dict | None = None) -> int:
     """How wide a call may be for int8 weights to beat the float matmul on this machine (0: never); measured once
-    per weight shape, dtype and float kernel per process. ``float_linear(x, weight, bias)``: the float path the
-    layer would take otherwise (default ``nn.functional.linear``; a `pyramid_hf.cpu_linear.RoutedLinear`'s own)."""
+    per weight shape, dtype and float routing per process. ``width_kernels``: the routing of the float path the
+    layer would take otherwise (`pyramid_hf.cpu_linear.RoutedLinear`; default torch's kernel at every width)."""
+    from .cpu_linear import cold_routed
+
     # the kernels' relative speed depends on the width of a call, not on how many output rows a weight has: time
     # at most PROBE_ROWS of them (a 151936-token LM head would otherwise take seconds per width in bf16)
     weight, weight_int8, scales = weight[:PROBE_ROWS], weight_int8[:PROBE_ROWS], scales[:PROBE_ROWS]
-    float_linear = float_linear or nn.functional.linear
-    key = (*weight.shape, weight.dtype) + (() if float_linear is nn.functional.linear else (repr(float_linear),))
+    width_kernels = dict(sorted((width_kernels or {}).items()))
+    key = (*weight.shape, weight.dtype) + ((tuple(width_kernels.items()),) if width_kernels else ())
     if key not in _measured_rows:
-        timings = time_kernels({"float": cold(lambda v, w: float_linear(v, w, None), weight),
+        timings = time_kernels({"float": cold_routed(weight, width_kernels),
                                 "int8": cold(int8_weight_only_matmul, weight_int8, scales)},
                                weight.shape[1], weight.dtype, rows, repeats,
                                stop_when=lambda t: t["int8"][-1] >= t["float"][-1])
@@ -95,7 +97,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales, persistent=False)
         if max_int8_rows == "auto":
             max_int8_rows = measure_max_int8_rows(linear.weight, weight_int8, scales,
-                                                  float_linear=getattr(linear, "float_linear", None))
+                                                  width_kernels=getattr(linear, "width_kernels", None))
         self.max_int8_rows = _check_rows(max_int8_rows)
         if self.max_int8_rows == 0:  # int8 never wins on this machine: free its copy, keep the float path only
             self.weight_int8, self.scales = weight_int8[:0], scales[:0]

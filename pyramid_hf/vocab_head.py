@@ -106,7 +106,7 @@ class ReducedVocabHead(nn.Module):
         if self.kept_linear is not None:
             kept_logits = self.kept_linear(hidden_states)
         else:
-            kept_logits = routed_linear(hidden_states, self.kept_weight, self.kept_bias, self.width_kernels)
+            kept_logits = routed_linear(hidden_states, self.kept_weight, self.kept_bias, self.width_kernels, self)
         logits = kept_logits.new_full((*kept_logits.shape[:-1], self.full_vocab_size), float("-inf"))
         return logits.index_copy_(-1, self.kept_ids, kept_logits)
 

@@ -18,6 +18,7 @@ from pyramid_hf.cpu_kernels import (
     native_bf16,
     onednn_available,
     onednn_linear,
+    onednn_pack,
     skinny_available,
     skinny_bf16_available,
     skinny_linear,
@@ -76,6 +77,23 @@ def test_private_onednn_linear_still_computes_a_float32_linear(shape, bias):
             assert not view.is_contiguous() or view.shape[1] == 1
             torch.testing.assert_close(onednn_linear(view, weight, b), torch.nn.functional.linear(view, weight, b),
                                        rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_private_onednn_weight_packing_still_gives_the_same_linear(dtype):
+    """Guard for ``torch.ops.mkldnn._reorder_linear_weight``: weights packed once give the product of the plain ones."""
+    if not onednn_available():  # no oneDNN in this torch build: the packed route is never offered (test_cpu_linear)
+        assert platform.machine().lower() not in ("x86_64", "amd64"), "x86 torch builds ship oneDNN"
+        return
+    g = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(40, 64, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
+    packed = onednn_pack(weight)
+    assert packed.layout == torch._mkldnn and packed.shape == weight.shape
+    for rows in (1, 3, 16, 40):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        tol = 1e-5 if dtype == torch.float32 else 2**-8
+        torch.testing.assert_close(onednn_linear(x, packed, bias).double(), expected, rtol=tol, atol=tol * 8)
 
 
 def test_time_kernels_interleaves_widths_and_stops_when_told():

@@ -9,7 +9,13 @@ from torch import nn
 
 from pyramid_hf import PyramidAssistant, PyramidConfig
 from pyramid_hf.bench.main import BenchArgs
-from pyramid_hf.cpu_kernels import CALIBRATION_ROWS, SKINNY_MAX_ROWS, skinny_available, skinny_bf16_available
+from pyramid_hf.cpu_kernels import (
+    CALIBRATION_ROWS,
+    SKINNY_MAX_ROWS,
+    onednn_available,
+    skinny_available,
+    skinny_bf16_available,
+)
 from pyramid_hf.cpu_linear import (
     PROBE_OUT_FEATURES,
     RoutedLinear,
@@ -74,7 +80,9 @@ def test_route_linears_modes_and_what_it_leaves_alone(monkeypatch):
     with pytest.raises(ValueError, match="unknown cpu_linear 'mkl'; choose from auto, skinny, onednn, torch"):
         route_linears(tiny_model("llama", 32, 2), "mkl")
     assert route_linears(tiny_model("llama", 32, 2), "torch") == {"layers": 0, "kernels": {}}
-    assert route_linears(tiny_model("llama", 32, 2).to(torch.bfloat16), "onednn")["layers"] == 0  # float32 only
+    bf16_routes = route_linears(tiny_model("llama", 32, 2).to(torch.bfloat16), "onednn")["kernels"]
+    assert bf16_routes == {"packed": list(CALIBRATION_ROWS)}  # bf16: oneDNN on prepacked weights
+    assert route_linears(tiny_model("llama", 32, 2).to(torch.float16), "onednn")["layers"] == 0  # not float16
     model = tiny_model("llama", 32, 2)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert route_linears(model, "onednn") == {"layers": linears, "kernels": {"onednn": list(CALIBRATION_ROWS)}}
@@ -106,8 +114,36 @@ def test_widths_are_measured_once_per_shape(monkeypatch):
     measure_kernels(torch.randn(PROBE_OUT_FEATURES + 10, 8), rows=(1,), repeats=1)
     assert (PROBE_OUT_FEATURES, 8, torch.float32) in cpu_linear._measured  # only PROBE_OUT_FEATURES rows timed
     chosen_bf16 = measure_kernels(torch.randn(48, 32).bfloat16(), rows=(1, 2, 32), repeats=1)
-    assert set(chosen_bf16.values()) <= ({"skinny"} if skinny_bf16_available() else set())  # torch's bf16 is oneDNN
+    offered = {"skinny"} if skinny_bf16_available() else set()
+    offered |= {"packed"} if onednn_available() else set()  # not plain oneDNN: torch's own bf16 kernel is that
+    assert set(chosen_bf16.values()) <= offered
     assert chosen_bf16.get(32) is None
+
+
+def test_bf16_layers_on_prepacked_onednn_weights_follow_weight_updates(monkeypatch):
+    """bf16 routes to oneDNN run on weights packed once per layer (outside the state dict); an in-place update or a
+    dtype move of the weights packs them again, so a stale copy is never read."""
+    from pyramid_hf import cpu_linear
+
+    if not onednn_available():
+        assert forced_kernels("onednn", torch.bfloat16) == {}
+        return
+    assert forced_kernels("onednn", torch.bfloat16) == dict.fromkeys(CALIBRATION_ROWS, "packed")
+    monkeypatch.setattr(cpu_linear, "skinny_bf16_available", lambda: True)  # bf16 layers are routable
+    plain = tiny_model("qwen2", 64, 2, seed=4).to(torch.bfloat16)
+    routed = tiny_model("qwen2", 64, 2, seed=4).to(torch.bfloat16)
+    assert route_linears(routed, "onednn")["kernels"] == {"packed": list(CALIBRATION_ROWS)}
+    assert set(routed.state_dict()) == set(plain.state_dict())
+    ids = _ids(9)
+    with torch.no_grad():
+        torch.testing.assert_close(routed(ids).logits.float(), plain(ids).logits.float(), rtol=0.05, atol=0.05)
+        layer = routed.model.layers[0].mlp.down_proj
+        x = torch.randn(3, layer.in_features).bfloat16()
+        before = layer(x)
+        layer.weight.mul_(-1)  # as an optimizer step would: in place
+        torch.testing.assert_close(layer(x), -before)
+        layer.float()
+        torch.testing.assert_close(layer(x.float()), nn.functional.linear(x.float(), layer.weight))
 
 
 def test_bf16_layers_route_to_the_few_row_kernel_where_it_runs_and_stay_close_to_torch(monkeypatch):
@@ -118,14 +154,15 @@ def test_bf16_layers_route_to_the_few_row_kernel_where_it_runs_and_stay_close_to
     monkeypatch.setattr(cpu_linear, "_measured", {})
     plain = tiny_model("qwen2", 64, 2, seed=3).to(torch.bfloat16)
     routed = tiny_model("qwen2", 64, 2, seed=3).to(torch.bfloat16)
-    assert forced_kernels("onednn", torch.bfloat16) == {}
     if not skinny_bf16_available():
         with pytest.raises(RuntimeError, match="few-row kernel for bfloat16"):
             route_linears(routed, "skinny")
-        assert route_linears(routed, "auto")["layers"] == 0
+        assert "skinny" not in route_linears(routed, "auto")["kernels"]
         return
     report = route_linears(routed, "skinny")
-    assert report["kernels"] == {"skinny": [w for w in CALIBRATION_ROWS if w <= SKINNY_MAX_ROWS]}
+    assert report["kernels"]["skinny"] == [w for w in CALIBRATION_ROWS if w <= SKINNY_MAX_ROWS]
+    assert report["kernels"].get("packed", []) == ([w for w in CALIBRATION_ROWS if w > SKINNY_MAX_ROWS]
+                                                   if onednn_available() else [])
     ids = _ids(7)
     with torch.no_grad():
         torch.testing.assert_close(routed(ids).logits.float(), plain(ids).logits.float(), rtol=0.05, atol=0.05)
@@ -140,13 +177,13 @@ def test_int8_layers_time_themselves_against_the_routed_float_path(monkeypatch):
 
     seen = []
     monkeypatch.setattr(quantize, "measure_max_int8_rows",
-                        lambda *a, float_linear=None, **k: seen.append(float_linear) or 4)
+                        lambda *a, width_kernels=None, **k: seen.append(width_kernels) or 4)
     model = tiny_model("llama", 32, 2)
     route_linears(model, "onednn")
     quantize_model(model, "int8")
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert layers and all(isinstance(m.linear, RoutedLinear) for m in layers)
-    assert all(fn is not None and fn.keywords["width_kernels"] == forced_kernels("onednn") for fn in seen)
+    assert seen and all(kernels == forced_kernels("onednn") for kernels in seen)
 
 
 @pytest.mark.parametrize("mode", ["onednn", "skinny"])

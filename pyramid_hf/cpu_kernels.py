@@ -173,6 +173,17 @@ def cache_bytes() -> int:
     return max(sizes, default=32 * 2**20)
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the system can still give this process (Linux ``MemAvailable``), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def cold(fn, *tensors):
     """``fn(x, *tensors)`` as ``fn(x)`` cycling through enough copies of ``tensors`` (twice the last-level cache,
     at most `COLD_BYTES_CAP`) that each call reads them from memory, as a layer inside a whole model does. Timed on

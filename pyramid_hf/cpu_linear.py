@@ -37,6 +37,7 @@ from torch import nn
 from .cpu_kernels import (
     CALIBRATION_ROWS,
     SKINNY_MAX_ROWS,
+    available_memory_bytes,
     cold,
     onednn_available,
     onednn_linear,
@@ -85,7 +86,9 @@ KERNEL_NAMES = {"onednn": "oneDNN", "skinny": "the few-row kernel",
                 "packed": "oneDNN on prepacked weights"}  # as logs and reports name them
 PROBE_OUT_FEATURES = 8192  # output rows timed: the kernels' relative speed depends on the call width, not on this
 MIN_GAIN = 0.95  # another kernel must take at most 95% of torch's time at a width to be used there
-_measured: dict[tuple, dict] = {}  # (out, in) -> {width: kernel}, measured once per process
+_measured: dict[tuple, dict] = {}  # (out, in, dtype, packed offered) -> {width: kernel}, measured once per process
+PACKED_MEMORY_SHARE = 0.5  # prepacked copies may take at most this share of the memory available when routing
+_packed_reserved = [0]  # bytes of prepacked copies promised to routed layers so far (they are made on first use)
 CPU_LINEAR_HELP = ("float32 and bf16 linears on CPU: auto (per call width, the fastest of torch's kernel, oneDNN "
                    "(float32) and the few-row kernel (float32 on AVX2, bf16 on AVX512-BF16), measured here), skinny "
                    "(the few-row kernel up to 16 rows, oneDNN above for float32), onednn (float32 always; bf16 as "
@@ -139,16 +142,17 @@ def forced_kernels(mode: str, dtype: torch.dtype = torch.float32) -> dict:
     return {w: "skinny" if w <= SKINNY_MAX_ROWS else wide for w in CALIBRATION_ROWS if w <= SKINNY_MAX_ROWS or wide}
 
 
-def measure_kernels(weight: torch.Tensor, rows=CALIBRATION_ROWS, repeats: int = 5) -> dict:
-    """``{width: kernel}``: where oneDNN (float32) or the few-row kernel beats torch's default for ``weight`` (float32
-    or bf16) on this machine."""
+def measure_kernels(weight: torch.Tensor, rows=CALIBRATION_ROWS, repeats: int = 5, offer_packed: bool = True) -> dict:
+    """``{width: kernel}``: where oneDNN (float32; bf16 on prepacked weights unless not ``offer_packed``) or the
+    few-row kernel beats torch's default for ``weight`` (float32 or bf16) on this machine."""
     weight = weight.detach()[:PROBE_OUT_FEATURES]
-    key = (*weight.shape, weight.dtype)
+    offer_packed = offer_packed and weight.dtype == torch.bfloat16 and onednn_available()
+    key = (*weight.shape, weight.dtype) + (("packed",) if offer_packed else ())
     if key not in _measured:
         kernels = {"torch": cold(nn.functional.linear, weight)}
         if onednn_available() and weight.dtype == torch.float32:
             kernels["onednn"] = cold(lambda v, w: onednn_linear(v, w, None), weight)
-        if onednn_available() and weight.dtype == torch.bfloat16:
+        if offer_packed:
             kernels["packed"] = cold(lambda v, p: onednn_linear(v, p, None), onednn_pack(weight, SKINNY_MAX_ROWS))
         if few_row_available(weight.dtype):
             kernels["skinny"] = cold(lambda v, w: few_row_linear(v, w, None), weight)
@@ -219,6 +223,23 @@ def _routable(weight: torch.Tensor) -> bool:
         onednn_available() or few_row_available(weight.dtype))
 
 
+def _packing_fits(model: nn.Module) -> bool:
+    """Whether prepacked copies of ``model``'s bf16 linear weights (as many bytes again) fit in `PACKED_MEMORY_SHARE`
+    of the memory available, after the copies promised to models routed before; if so they are promised."""
+    weights = {m.weight.data_ptr(): m.weight for m in model.modules()
+               if isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"}
+    needed = sum(w.numel() * w.element_size() for w in weights.values())
+    if not needed or not onednn_available():
+        return True
+    available = available_memory_bytes()
+    if available is not None and _packed_reserved[0] + needed > PACKED_MEMORY_SHARE * available:
+        logger.info("bf16 linears: no prepacked oneDNN copies (%.1f GB more would exceed %d%% of the %.1f GB "
+                    "available)", needed / 1e9, PACKED_MEMORY_SHARE * 100, available / 1e9)
+        return False
+    _packed_reserved[0] += needed
+    return True
+
+
 def route_linears(model: nn.Module, mode: str = "auto") -> dict:
     """Route ``model``'s float32 / bf16 CPU ``nn.Linear`` layers (and a reduced-vocabulary LM head), in place:
     ``"auto"`` to the kernel that measured fastest here per call width, ``"skinny"`` to the few-row kernel up to 16
@@ -240,17 +261,20 @@ def route_linears(model: nn.Module, mode: str = "auto") -> dict:
             raise RuntimeError(f"cpu_linear='skinny' needs the few-row kernel for {', '.join(missing)}, which could "
                                "not be built here (float32 needs an x86 CPU with AVX2, bfloat16 one with AVX512-BF16, "
                                "both a C++ compiler; the log says what failed): use cpu_linear='auto' or 'torch'")
+    offer_packed = _packing_fits(model)
     layers, kernels = 0, {}
     for module in list(model.modules()):
         if type(module) is nn.Linear and _routable(module.weight):
             weight = module.weight
-            chosen = forced_kernels(mode, weight.dtype) if mode != "auto" else measure_kernels(weight)
+            chosen = (forced_kernels(mode, weight.dtype) if mode != "auto"
+                      else measure_kernels(weight, offer_packed=offer_packed))
             if chosen:
                 as_routed(module, chosen)
         elif (isinstance(module, ReducedVocabHead) and module.kept_linear is None and not module.width_kernels
               and _routable(module.kept_weight)):
             weight = module.kept_weight
-            chosen = forced_kernels(mode, weight.dtype) if mode != "auto" else measure_kernels(weight)
+            chosen = (forced_kernels(mode, weight.dtype) if mode != "auto"
+                      else measure_kernels(weight, offer_packed=offer_packed))
             module.width_kernels = dict(sorted(chosen.items()))
         else:
             continue

@@ -54,7 +54,7 @@ def test_routed_linear_matches_the_float_layer_and_routes_only_what_it_should(bi
     torch.manual_seed(0)
     layer, reference = nn.Linear(64, 40, bias=bias), nn.Linear(64, 40, bias=bias)
     reference.load_state_dict(layer.state_dict())
-    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda weight: {1: "onednn", 2: "skinny"})
+    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda weight, **k: {1: "onednn", 2: "skinny"})
     assert route_linears(nn.Sequential(layer)) == {"layers": 1, "kernels": {"onednn": [1], "skinny": [2]}}
     assert type(layer) is RoutedLinear and set(layer.state_dict()) == set(reference.state_dict())
     assert "onednn at call widths [1], skinny at [2]" in repr(layer)
@@ -91,7 +91,7 @@ def test_route_linears_modes_and_what_it_leaves_alone(monkeypatch):
                                               "kernels": {"onednn": [32, 64], "skinny": [1, 2, 4, 8, 16]}}
     assert forced_kernels("skinny") == {1: "skinny", 2: "skinny", 4: "skinny", 8: "skinny", 16: "skinny",
                                         32: "onednn", 64: "onednn"}
-    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda weight: {})  # never faster here
+    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda weight, **k: {})  # never faster here
     untouched = tiny_model("llama", 32, 2)
     assert route_linears(untouched, "auto")["layers"] == 0
     assert not any(isinstance(m, RoutedLinear) for m in untouched.modules())
@@ -117,7 +117,7 @@ def test_widths_are_measured_once_per_shape(monkeypatch):
     offered = {"skinny"} if skinny_bf16_available() else set()
     offered |= {"packed"} if onednn_available() else set()  # not plain oneDNN: torch's own bf16 kernel is that
     assert set(chosen_bf16.values()) <= offered
-    assert chosen_bf16.get(32) is None
+    assert chosen_bf16.get(32) != "skinny"  # never timed above its widest
 
 
 def test_bf16_layers_on_prepacked_onednn_weights_follow_weight_updates(monkeypatch):
@@ -144,6 +144,26 @@ def test_bf16_layers_on_prepacked_onednn_weights_follow_weight_updates(monkeypat
         torch.testing.assert_close(layer(x), -before)
         layer.float()
         torch.testing.assert_close(layer(x.float()), nn.functional.linear(x.float(), layer.weight))
+
+
+def test_prepacked_copies_are_offered_only_while_they_fit_in_memory(monkeypatch):
+    """Prepacked bf16 weights cost as much memory again: `route_linears` offers them only while the copies promised
+    so far fit in half of the memory available (an 8B target on a 24 GB CPU would not)."""
+    from pyramid_hf import cpu_linear
+
+    offered = []
+    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda weight, offer_packed=True: offered.append(offer_packed)
+                        or {})
+    monkeypatch.setattr(cpu_linear, "onednn_available", lambda: True)
+    monkeypatch.setattr(cpu_linear, "_packed_reserved", [0])
+    model = tiny_model("llama", 32, 2).to(torch.bfloat16)
+    size = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear))
+    monkeypatch.setattr(cpu_linear, "available_memory_bytes", lambda: 3 * size)
+    route_linears(model, "auto")  # needs `size`, may use 1.5x it: offered, and promised
+    assert offered and all(offered) and cpu_linear._packed_reserved == [size]
+    offered.clear()
+    route_linears(tiny_model("llama", 32, 2).to(torch.bfloat16), "auto")  # 2x size > 1.5x: not offered
+    assert offered and not any(offered) and cpu_linear._packed_reserved == [size]
 
 
 def test_bf16_layers_route_to_the_few_row_kernel_where_it_runs_and_stay_close_to_torch(monkeypatch):
@@ -215,7 +235,7 @@ def test_load_trio_routes_float32_models_and_picks_the_dtype(tmp_path, monkeypat
     from pyramid_hf.trio import default_dtype, load_trio
 
     monkeypatch.setenv("PYRAMID_HF_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda weight: {1: "skinny", 2: "skinny", 4: "onednn", 8: "onednn"})
+    monkeypatch.setattr(cpu_linear, "measure_kernels", lambda weight, **k: {1: "skinny", 2: "skinny", 4: "onednn", 8: "onednn"})
     target, qualifier, draft = tiny_trio("qwen2", seed=8)
     folders = save_tiny_folders(tmp_path, target=target, qualifier=qualifier, draft=draft)
     with caplog.at_level("INFO", logger="pyramid_hf"):

@@ -104,7 +104,8 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
     routed = route_linears(loaded.model, cpu_linear)
     if routed["layers"]:
         routes = "; ".join(f"{KERNEL_NAMES[k]} at call widths {w}" for k, w in routed["kernels"].items())
-        loaded.origin += f" ({str(loaded.model.dtype).removeprefix('torch.')} linears: {routes}, measured on this CPU)"
+        dtype_name = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        loaded.origin += f" ({dtype_name} linears: {routes}, measured on this CPU)"
     return loaded
 
 

@@ -64,16 +64,30 @@ def few_row_available(dtype: torch.dtype) -> bool:
     return skinny_bf16_available() if dtype == torch.bfloat16 else skinny_available()
 
 
+class PackCache:
+    """A layer's prepacked weights, ``(key, packed)``. Copies and pickles as empty (oneDNN's opaque tensors can be
+    neither), so a deep-copied or saved layer packs its own weights again on first use."""
+
+    def __init__(self):
+        self.entry = None
+
+    def __deepcopy__(self, memo):
+        return PackCache()
+
+    def __reduce__(self):
+        return (PackCache, ())
+
+
 def packed_weight(owner: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """``weight`` in oneDNN's blocked layout (`pyramid_hf.cpu_kernels.onednn_pack`), packed on first use and cached on
     ``owner`` outside its state dict; packed again whenever the weights change (an in-place update bumps their
     version, ``.to()`` replaces them), so a stale copy is never read. It costs as much memory as the weights."""
     key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
-    cached = owner.__dict__.get("_packed_weight")
-    if cached is None or cached[0] != key:
-        cached = (key, onednn_pack(weight, SKINNY_MAX_ROWS))
-        owner.__dict__["_packed_weight"] = cached
-    return cached[1]
+    cache = owner.__dict__.setdefault("_packed_weight", PackCache())
+    if cache.entry is None or cache.entry[0] != key:
+        cache.entry = None  # free the old copy before making the new one
+        cache.entry = (key, onednn_pack(weight, SKINNY_MAX_ROWS))
+    return cache.entry[1]
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias, owner: nn.Module) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """Float32 linears routed to oneDNN: chosen per measured width, same outputs, and the pyramid stays exactly lossless."""
 
+import copy
+import io
 import math
 
 import pytest
@@ -142,6 +144,11 @@ def test_bf16_layers_on_prepacked_onednn_weights_follow_weight_updates(monkeypat
         before = layer(x)
         layer.weight.mul_(-1)  # as an optimizer step would: in place
         torch.testing.assert_close(layer(x), -before)
+        copied = copy.deepcopy(layer)  # the packed copy is opaque: copies and saves leave it behind
+        torch.testing.assert_close(copied(x), layer(x))
+        saved = io.BytesIO()
+        torch.save(layer, saved)
+        torch.testing.assert_close(torch.load(io.BytesIO(saved.getvalue()), weights_only=False)(x), layer(x))
         layer.float()
         torch.testing.assert_close(layer(x.float()), nn.functional.linear(x.float(), layer.weight))
 

@@ -15,11 +15,13 @@ Which kernel wins depends on the CPU, so ``cpu_linear="auto"`` times them, once 
 kernel that won at the measured width that covers it, if it beat torch's by 5%. A reduced-vocabulary LM head
 (`pyramid_hf.vocab_head`) is routed the same way. Only without gradients: training runs as before.
 
-bf16 weights have two kernels: torch's (oneDNN, on AMX tiles where the CPU has them) and the few-row bf16 kernel
+bf16 weights have three kernels: torch's (oneDNN, on AMX tiles where the CPU has them, reordering the plain weights
+on every call), oneDNN on weights packed once per layer (`packed_weight`: as much memory again, offered only while it
+fits in `PACKED_MEMORY_SHARE` of the memory available), and the few-row bf16 kernel
 (`pyramid_hf.cpu_kernels.skinny_linear_bf16`, AVX512-BF16). On a 2-core AMX Xeon seen here torch's reads a one-row
-call's weights at ~13 GB/s, the few-row kernel at ~21 (8960 x 1536: 2.2 -> 1.3 ms), while from 4 rows on AMX wins;
-the 1.5B target's one-token forward went 234 -> 167 ms, its 4- to 13-token forwards (verification) stayed ~235.
-Where the few-row bf16 kernel cannot run, bf16 layers are left as they are.
+call's weights at ~13 GB/s, the few-row kernel at ~21 (8960 x 1536: 2.2 -> 1.3 ms), while from 4 rows on AMX wins,
+faster on packed weights; the 1.5B target's forward over 1 / 4 / 9 / 13 new tokens went 230 / 236 / 232 / 236 ms ->
+192 / 195 / 198 / 196.
 
 Exactness: the kernels compute the same float32 product in other summation orders (logits of the 1.5B differ by
 <1e-4, the same size as MKL's own differences between a 1-row and an 8-row call). Every method in a run, target-only

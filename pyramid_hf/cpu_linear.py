@@ -92,12 +92,8 @@ def packed_weight(owner: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return cache.entry[1]
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias, owner: nn.Module) -> torch.Tensor:
-    return onednn_linear(x, packed_weight(owner, weight), bias)
-
-
 KERNELS = {"onednn": onednn_linear, "skinny": few_row_linear}  # the alternatives to torch's default kernel (and
-# "packed": `packed_linear`, which needs the layer that caches the packed weights)
+# "packed": oneDNN on the prepacked weights, which `run_kernel` is given)
 KERNEL_NAMES = {"onednn": "oneDNN", "skinny": "the few-row kernel",
                 "packed": "oneDNN on prepacked weights"}  # as logs and reports name them
 PROBE_OUT_FEATURES = 8192  # output rows timed: the kernels' relative speed depends on the call width, not on this
@@ -106,9 +102,9 @@ _measured: dict[tuple, dict] = {}  # (out, in, dtype, packed offered) -> {width:
 PACKED_MEMORY_SHARE = 0.5  # prepacked copies may take at most this share of the memory available when routing
 _packed_reserved = [0]  # bytes of prepacked copies promised to routed layers so far (they are made on first use)
 CPU_LINEAR_HELP = ("float32 and bf16 linears on CPU: auto (per call width, the fastest of torch's kernel, oneDNN "
-                   "(float32) and the few-row kernel (float32 on AVX2, bf16 on AVX512-BF16), measured here), skinny "
-                   "(the few-row kernel up to 16 rows, oneDNN above for float32), onednn (float32 always; bf16 as "
-                   "torch), torch (never another)")
+                   "(bf16: on weights packed once, while the copies fit in memory) and the few-row kernel (float32 "
+                   "on AVX2, bf16 on AVX512-BF16), measured here), skinny (the few-row kernel up to 16 rows, oneDNN "
+                   "above), onednn (always), torch (never another)")
 DTYPE_HELP = ("model dtype: bfloat16, float32, float16; default: bfloat16 where the hardware multiplies it (GPUs, CPUs "
               "with AMX / AVX512-BF16), float32 elsewhere")
 
@@ -144,8 +140,14 @@ def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, width_kernels: di
             or x.numel() == 0):
         return nn.functional.linear(x, weight, bias)
     kernel = width_kernels.get(covering_width(x.numel() // x.shape[-1]))
+    return run_kernel(kernel, x, weight, bias, packed_weight(owner, weight) if kernel == "packed" else None)
+
+
+def run_kernel(kernel: str | None, x: torch.Tensor, weight: torch.Tensor, bias, packed=None) -> torch.Tensor:
+    """``nn.functional.linear(x, weight, bias)`` on ``kernel`` (None: torch's; ``"packed"``: oneDNN on ``packed``,
+    ``weight`` prepacked)."""
     if kernel == "packed":
-        return packed_linear(x, weight, bias, owner)
+        return onednn_linear(x, packed, bias)
     return (KERNELS[kernel] if kernel else nn.functional.linear)(x, weight, bias)
 
 
@@ -191,10 +193,8 @@ def cold_routed(weight: torch.Tensor, width_kernels: dict):
         tensors.append(onednn_pack(weight, SKINNY_MAX_ROWS))
 
     def run(x, weight_copy, packed_copy=None):
-        kernel = width_kernels.get(covering_width(x.numel() // x.shape[-1]))
-        if kernel == "packed":
-            return onednn_linear(x, packed_copy, None)
-        return (KERNELS[kernel] if kernel else nn.functional.linear)(x, weight_copy, None)
+        return run_kernel(width_kernels.get(covering_width(x.numel() // x.shape[-1])), x, weight_copy, None,
+                          packed_copy)
 
     return cold(run, *tensors)
 
@@ -277,7 +277,7 @@ def route_linears(model: nn.Module, mode: str = "auto") -> dict:
             raise RuntimeError(f"cpu_linear='skinny' needs the few-row kernel for {', '.join(missing)}, which could "
                                "not be built here (float32 needs an x86 CPU with AVX2, bfloat16 one with AVX512-BF16, "
                                "both a C++ compiler; the log says what failed): use cpu_linear='auto' or 'torch'")
-    offer_packed = _packing_fits(model)
+    offer_packed = mode == "auto" and _packing_fits(model)  # forced modes route as told
     layers, kernels = 0, {}
     for module in list(model.modules()):
         if type(module) is nn.Linear and _routable(module.weight):

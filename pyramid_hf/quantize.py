@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .cpu_kernels import CALIBRATION_ROWS, cold, int8_weight_only_matmul, time_kernels
+from .cpu_linear import cold_routed
 
 MODES = ("none", "int8")
 PROBE_ROWS = 1024
@@ -65,8 +66,6 @@ def measure_max_int8_rows(weight: torch.Tensor, weight_int8: torch.Tensor, scale
     """How wide a call may be for int8 weights to beat the float matmul on this machine (0: never); measured once
     per weight shape, dtype and float routing per process. ``width_kernels``: the routing of the float path the
     layer would take otherwise (`pyramid_hf.cpu_linear.RoutedLinear`; default torch's kernel at every width)."""
-    from .cpu_linear import cold_routed
-
     # the kernels' relative speed depends on the width of a call, not on how many output rows a weight has: time
     # at most PROBE_ROWS of them (a 151936-token LM head would otherwise take seconds per width in bf16)
     weight, weight_int8, scales = weight[:PROBE_ROWS], weight_int8[:PROBE_ROWS], scales[:PROBE_ROWS]

@@ -59,8 +59,8 @@ def load_trio(preset=None, *, target: str | None = None, qualifier: str | None =
     ``"int8"``) gives the qualifier int8 weights for its narrow calls (`pyramid_hf.quantize`; CPU only, lossless).
     ``dtype`` (default `default_dtype`: bfloat16 where the device multiplies it in hardware, else float32).
     ``cpu_linear`` (``"auto"``, ``"skinny"``, ``"onednn"``, ``"torch"``) routes CPU linears of all three models
-    (float32: to oneDNN or the few-row AVX2 kernel; bf16: to the few-row AVX512-BF16 kernel) where that measured
-    faster than torch's default (`pyramid_hf.cpu_linear`).
+    (float32: to oneDNN or the few-row AVX2 kernel; bf16: to oneDNN on weights packed once or the few-row
+    AVX512-BF16 kernel) where that measured faster than torch's default (`pyramid_hf.cpu_linear`).
     """
     from .cpu_linear import route_linears
     from .models import get_preset, load_model
@@ -128,11 +128,10 @@ def hardware_summary() -> str:
     gpu = torch.cuda.is_available()
     dtype = default_dtype("auto" if gpu else None)
     units = "in hardware" if dtype == "bfloat16" else "emulated (no AMX / AVX512-BF16)"
-    if dtype == "bfloat16":
-        others = [name for name, available in (("the few-row bf16 kernel", skinny_bf16_available),) if available()]
-    else:
-        others = [name for name, available in (("oneDNN", onednn_available), ("the few-row AVX2 kernel",
-                                                                             skinny_available)) if available()]
+    candidates = {"bfloat16": (("oneDNN on prepacked weights", onednn_available),
+                               ("the few-row bf16 kernel", skinny_bf16_available)),
+                  "float32": (("oneDNN", onednn_available), ("the few-row AVX2 kernel", skinny_available))}[dtype]
+    others = [name for name, available in candidates if available()]
     linears = (f"--cpu_linear auto times torch's kernel against {' and '.join(others)} per weight shape at load"
                if others else "torch's kernel (no other kernel for this dtype here)")
     return (f"this machine: bf16 matmuls on the {'GPU' if gpu else 'CPU'} {units} -> default --dtype {dtype}; "

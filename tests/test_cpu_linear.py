@@ -332,7 +332,11 @@ def test_models_list_says_what_this_machine_makes_the_defaults(monkeypatch, caps
     monkeypatch.setattr(cpu_kernels, "skinny_bf16_available", lambda: True)
     line = hardware_summary()
     assert "in hardware -> default --dtype bfloat16" in line
-    assert "bfloat16 CPU linears: --cpu_linear auto times torch's kernel against the few-row bf16 kernel" in line
+    assert ("bfloat16 CPU linears: --cpu_linear auto times torch's kernel against oneDNN on prepacked weights and "
+            "the few-row bf16 kernel" in line)
+    monkeypatch.setattr(cpu_kernels, "onednn_available", lambda: False)
+    assert "bfloat16 CPU linears: --cpu_linear auto times torch's kernel against the few-row bf16 kernel" in (
+        hardware_summary())
     monkeypatch.setattr(cpu_kernels, "skinny_bf16_available", lambda: False)
     assert "bfloat16 CPU linears: torch's kernel (no other kernel for this dtype here)" in hardware_summary()
     assert main(["models", "list"]) == 0

@@ -42,7 +42,8 @@ void tile_bf16(const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int
   __m512 acc[NB][MB];
   for (int i = 0; i < NB; i++)
     for (int j = 0; j < MB; j++) acc[i][j] = _mm512_setzero_ps();
-  // full steps, then one masked step over the tail (one loop for both keeps the accumulators out of registers)
+  // full steps, then one masked step over the tail (with the mask inside one loop, GCC 12 stored every accumulator
+  // to the stack on each step)
   const int64_t K32 = K & ~int64_t(31);
   for (int64_t k = 0; k < K32; k += 32) {
     __m512bh xv[MB];
@@ -69,29 +70,20 @@ void tile_bf16(const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int
     }
 }
 
-// Threads split the output features into tiles of NB rows (the last rows one at a time).
-template <typename Run>
-void over_weight_tiles(int64_t N, Run run) {
-  const int64_t tiles = (N + kRowsPerTile - 1) / kRowsPerTile;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; t++) {
-      const int64_t n0 = t * kRowsPerTile;
-      const int nrows = static_cast<int>(std::min<int64_t>(kRowsPerTile, N - n0));
-      if (nrows == kRowsPerTile) run(std::integral_constant<int, kRowsPerTile>{}, n0, nrows);
-      else
-        for (int i = 0; i < nrows; i++) run(std::integral_constant<int, 1>{}, n0 + i, 1);
-    }
-  });
+// All rows of x against NB weight rows (w points at the first), kInputsPerTile rows of x per register tile.
+template <int NB>
+void weight_rows(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, uint16_t* y, int64_t N,
+                 const uint16_t* bias, int64_t n0, int nrows) {
+  for (int64_t m0 = 0; m0 < M; m0 += kInputsPerTile) {
+    const int mrows = static_cast<int>(std::min<int64_t>(kInputsPerTile, M - m0));
+    const uint16_t* xm = x + m0 * K;
+    uint16_t* ym = y + m0 * N;
+    if (mrows == 4) tile_bf16<NB, 4>(xm, w, K, ym, N, bias, n0, mrows, nrows);
+    else if (mrows == 3) tile_bf16<NB, 3>(xm, w, K, ym, N, bias, n0, mrows, nrows);
+    else if (mrows == 2) tile_bf16<NB, 2>(xm, w, K, ym, N, bias, n0, mrows, nrows);
+    else tile_bf16<NB, 1>(xm, w, K, ym, N, bias, n0, mrows, nrows);
+  }
 }
-
-// Calls the register tile specialised for this many x rows.
-#define PYRAMID_TILE_DISPATCH(FN, NB, mrows, ...)                 \
-  do {                                                             \
-    if ((mrows) == 4) FN<NB, 4>(__VA_ARGS__);                      \
-    else if ((mrows) == 3) FN<NB, 3>(__VA_ARGS__);                 \
-    else if ((mrows) == 2) FN<NB, 2>(__VA_ARGS__);                 \
-    else FN<NB, 1>(__VA_ARGS__);                                   \
-  } while (0)
 
 torch::Tensor check_x(const torch::Tensor& x, int64_t in_features, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensors only");
@@ -128,12 +120,16 @@ torch::Tensor skinny_linear_bf16(const torch::Tensor& x, const torch::Tensor& we
   const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  over_weight_tiles(N, [&](auto nb, int64_t n0, int nrows) {
-    constexpr int NB = decltype(nb)::value;
-    for (int64_t m0 = 0; m0 < M; m0 += kInputsPerTile) {
-      const int mrows = static_cast<int>(std::min<int64_t>(kInputsPerTile, M - m0));
-      PYRAMID_TILE_DISPATCH(tile_bf16, NB, mrows, xp + m0 * K, wp + n0 * K, K, yp + m0 * N, N, bias_ptr, n0, mrows,
-                            nrows);
+  const int64_t tiles = (N + kRowsPerTile - 1) / kRowsPerTile;  // threads split the output features
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const int64_t n0 = t * kRowsPerTile;
+      const int nrows = static_cast<int>(std::min<int64_t>(kRowsPerTile, N - n0));
+      if (nrows == kRowsPerTile) {
+        weight_rows<kRowsPerTile>(xp, wp + n0 * K, M, K, yp, N, bias_ptr, n0, nrows);
+      } else {
+        for (int i = 0; i < nrows; i++) weight_rows<1>(xp, wp + (n0 + i) * K, M, K, yp, N, bias_ptr, n0 + i, 1);
+      }
     }
   });
   return y.view(out_shape(x, N));

@@ -95,8 +95,8 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
     (`pyramid_hf.vocab_head`) unless ``reduced_vocab=False``.
 
     ``cpu_linear`` (``"auto"``, ``"skinny"``, ``"onednn"``, ``"torch"``): float32 linears on CPU run their no-grad calls
-    on oneDNN or the few-row AVX2 kernel, bf16 ones on the few-row AVX512-BF16 kernel, where that measured faster
-    than torch's default kernel (`pyramid_hf.cpu_linear`); training is untouched.
+    on oneDNN or the few-row AVX2 kernel, bf16 ones on oneDNN with weights packed once or the few-row AVX512-BF16
+    kernel, where that measured faster than torch's default kernel (`pyramid_hf.cpu_linear`); training is untouched.
     """
     from ..cpu_linear import KERNEL_NAMES, route_linears
 

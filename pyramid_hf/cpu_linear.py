@@ -32,6 +32,7 @@ decodes alone (``tests/test_cpu_linear.py``).
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -241,7 +242,8 @@ def _routable(weight: torch.Tensor) -> bool:
 
 def _packing_fits(model: nn.Module) -> bool:
     """Whether prepacked copies of ``model``'s bf16 linear weights (as many bytes again) fit in `PACKED_MEMORY_SHARE`
-    of the memory available, after the copies promised to models routed before; if so they are promised."""
+    of the memory available, after the copies promised to models routed before; if so they are promised, until
+    ``model`` is freed."""
     weights = {m.weight.data_ptr(): m.weight for m in model.modules()
                if isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"}
     needed = sum(w.numel() * w.element_size() for w in weights.values())
@@ -253,7 +255,12 @@ def _packing_fits(model: nn.Module) -> bool:
                     "available)", needed / 1e9, PACKED_MEMORY_SHARE * 100, available / 1e9)
         return False
     _packed_reserved[0] += needed
+    weakref.finalize(model, _release_packing, _packed_reserved, needed)
     return True
+
+
+def _release_packing(reserved: list, size: int) -> None:
+    reserved[0] -= size
 
 
 def route_linears(model: nn.Module, mode: str = "auto") -> dict:

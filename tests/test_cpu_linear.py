@@ -1,6 +1,7 @@
 """Float32 linears routed to oneDNN: chosen per measured width, same outputs, and the pyramid stays exactly lossless."""
 
 import copy
+import gc
 import io
 import math
 
@@ -155,7 +156,8 @@ def test_bf16_layers_on_prepacked_onednn_weights_follow_weight_updates(monkeypat
 
 def test_prepacked_copies_are_offered_only_while_they_fit_in_memory(monkeypatch):
     """Prepacked bf16 weights cost as much memory again: `route_linears` offers them only while the copies promised
-    so far fit in half of the memory available (an 8B target on a 24 GB CPU would not)."""
+    so far fit in half of the memory available (an 8B target on a 24 GB CPU would not); a freed model gives its
+    promise back."""
     from pyramid_hf import cpu_linear
 
     offered = []
@@ -171,6 +173,12 @@ def test_prepacked_copies_are_offered_only_while_they_fit_in_memory(monkeypatch)
     offered.clear()
     route_linears(tiny_model("llama", 32, 2).to(torch.bfloat16), "auto")  # 2x size > 1.5x: not offered
     assert offered and not any(offered) and cpu_linear._packed_reserved == [size]
+    del model
+    gc.collect()
+    assert cpu_linear._packed_reserved == [0]
+    offered.clear()
+    route_linears(tiny_model("llama", 32, 2).to(torch.bfloat16), "auto")  # room again once the first is gone
+    assert offered and all(offered)
 
 
 def test_bf16_layers_route_to_the_few_row_kernel_where_it_runs_and_stay_close_to_torch(monkeypatch):

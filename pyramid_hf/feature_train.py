@@ -7,6 +7,8 @@ feature) toward the qualifier's, and a smooth-L1 term pulls the predicted featur
 ``unroll_steps`` = k > 1 the draft also learns from its own predictions, as it drafts: pass s feeds the
 features predicted in pass s - 1 (the real one at the first position) and is scored against the same targets.
 The loss runs over the qualifier's reduced vocabulary when ``vocab_size`` is set (the head the pyramid uses).
+The qualifier's forward is most of a step's cost; with ``cache_features`` its hidden states are kept per block
+after the first epoch, so later epochs over the same text cost only the draft's passes.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class FeatureDraftArguments:
                                                                     "tokens (its reduced head); None: full vocabulary"})
     feature_loss_weight: float = field(default=0.1, metadata={"help": "weight of the smooth-L1 feature term"})
     unroll_steps: int = field(default=2, metadata={"help": "passes per step; pass s > 1 reads pass s-1's features"})
+    cache_features: bool = field(default=False, metadata={
+        "help": "keep the frozen qualifier's hidden states of every block after its first read, so later epochs "
+                "skip the qualifier's forward (memory: blocks x block_size x hidden size x 2 or 4 bytes, on CPU)"})
 
     def __post_init__(self):
         check_cpu_linear(self.cpu_linear)
@@ -69,27 +74,43 @@ class FeatureDistillation(nn.Module):
     so checkpoints hold only the draft."""
 
     def __init__(self, draft: FeatureDraft, qualifier, head_weight: torch.Tensor, feature_loss_weight: float = 0.1,
-                 unroll_steps: int = 2):
+                 unroll_steps: int = 2, cache_features: bool = False):
         super().__init__()
         self.draft = draft
         object.__setattr__(self, "qualifier", qualifier.eval().requires_grad_(False))  # not a submodule
         self.register_buffer("head_weight", head_weight.detach().clone(), persistent=False)  # (K, H)
         self.feature_loss_weight = feature_loss_weight
         self.unroll_steps = unroll_steps
+        self.feature_cache: dict[int, torch.Tensor] | None = {} if cache_features else None  # block index -> (T, H)
 
     @torch.no_grad()
-    def _qualifier_states(self, input_ids, attention_mask):
+    def _qualifier_features(self, input_ids, attention_mask):
         device = self.head_weight.device
         if next(self.qualifier.parameters()).device != device:
             self.qualifier.to(device)
         out = self.qualifier(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                              logits_to_keep=1)
-        features = out.hidden_states[-1]  # (B, T, H) after the final norm
+        return out.hidden_states[-1]  # (B, T, H) after the final norm
+
+    @torch.no_grad()
+    def _qualifier_states(self, input_ids, attention_mask, block_index=None):
+        """The qualifier's last hidden states and its input embeddings of ``input_ids``; with a feature cache and
+        the blocks' dataset indices, read from the cache where every block of the batch was seen before."""
         embeds = self.qualifier.get_input_embeddings()(input_ids)
+        if self.feature_cache is None or block_index is None:
+            return self._qualifier_features(input_ids, attention_mask), embeds
+        keys = [int(i) for i in block_index]
+        if all(k in self.feature_cache for k in keys):
+            features = torch.stack([self.feature_cache[k] for k in keys]).to(input_ids.device)
+        else:
+            features = self._qualifier_features(input_ids, attention_mask)
+            for k, row in zip(keys, features, strict=True):
+                self.feature_cache[k] = row.detach().to("cpu", copy=True)
         return features, embeds
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_):
-        features, embeds = self._qualifier_states(input_ids, attention_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                block_index: torch.Tensor | None = None, **_):
+        features, embeds = self._qualifier_states(input_ids, attention_mask, block_index)
         dtype = self.draft.fc.weight.dtype
         features, embeds = features.to(dtype), embeds.to(dtype)
         target_features = features[:, 1:]  # f_{j+1}, j = 0 .. T-2
@@ -162,7 +183,8 @@ def build_module(args: FeatureDraftArguments, qualifier, tokenizer) -> FeatureDi
     if args.vocab_size and args.vocab_size < head.weight.shape[0] and not isinstance(head, ReducedVocabHead):
         reduce_loaded_vocab(qualifier, tokenizer, args.vocab_size, cache_root())
         head = qualifier.get_output_embeddings()
-    return FeatureDistillation(draft, qualifier, head.weight, args.feature_loss_weight, args.unroll_steps)
+    return FeatureDistillation(draft, qualifier, head.weight, args.feature_loss_weight, args.unroll_steps,
+                               args.cache_features)
 
 
 def _save_draft(module: FeatureDistillation, folder: Path, args: FeatureDraftArguments, step: int, tokenizer) -> Path:
@@ -218,7 +240,8 @@ def train(args: FeatureDraftArguments, training_args, *, qualifier=None, tokeniz
                 _save_draft(module, Path(training_args.output_dir) / f"checkpoint-{step}" / "draft", args, step,
                             tokenizer)
 
-    trainer = Trainer(model=module, args=training_args, train_dataset=Dataset.from_dict({"input_ids": blocks}),
+    dataset = Dataset.from_dict({"input_ids": blocks, "block_index": list(range(len(blocks)))})
+    trainer = Trainer(model=module, args=training_args, train_dataset=dataset,
                       callbacks=[SaveDraftFolders()])
     trainer.train(resume_from_checkpoint=last_checkpoint(training_args.output_dir))
     final = _save_draft(module, Path(training_args.output_dir) / "final", args, int(trainer.state.global_step),

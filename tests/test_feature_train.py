@@ -65,6 +65,25 @@ def test_the_loss_falls_on_a_fixed_batch():
     assert set(module.state_dict()) == {f"draft.{k}" for k in module.draft.state_dict()}  # no teacher weights
 
 
+def test_cached_qualifier_states_give_the_same_loss_without_a_second_qualifier_forward():
+    qualifier = tiny_model("qwen2", 32, 2, init=0.3)
+    args = FeatureDraftArguments(vocab_size=None, cache_features=True)
+    module = build_module(args, qualifier, tiny_tokenizer())
+    plain = FeatureDistillation(module.draft, qualifier, qualifier.lm_head.weight, 0.1, 2)
+    batch = torch.randint(3, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([4, 0, 7])
+    calls = []
+    qualifier.register_forward_hook(lambda *_: calls.append(1))
+    first = module(batch, block_index=index)["loss"]
+    assert len(calls) == 1 and sorted(module.feature_cache) == [0, 4, 7]
+    second = module(batch[[1, 0]], block_index=index[[1, 0]])["loss"]  # seen blocks, another order: no forward
+    assert len(calls) == 1
+    torch.testing.assert_close(second, plain(batch[[1, 0]])["loss"], rtol=0, atol=0)
+    torch.testing.assert_close(first, plain(batch)["loss"], rtol=0, atol=0)
+    module(torch.cat([batch[:1], batch[:1]]), block_index=torch.tensor([4, 9]))  # one new block: a forward
+    assert len(calls) == 4 and 9 in module.feature_cache
+
+
 def test_a_perfect_draft_has_zero_kl():
     qualifier = token_local(tiny_model("llama", 32, 1, init=0.3))
     module = FeatureDistillation(perfect_draft(qualifier), qualifier, qualifier.lm_head.weight, 0.1, 2)
@@ -72,9 +91,14 @@ def test_a_perfect_draft_has_zero_kl():
     assert max(module.last_parts.values()) < 1e-6, module.last_parts
 
 
-def test_trainer_saves_loadable_folders_and_resumes(tmp_path):
+def test_trainer_saves_loadable_folders_and_resumes(tmp_path, monkeypatch):
     qualifier, tokenizer = tiny_model("llama", 32, 2), tiny_tokenizer()
-    args = FeatureDraftArguments(texts=str(_texts(tmp_path / "texts")), block_size=32, vocab_size=None)
+    seen = []
+    read = FeatureDistillation._qualifier_states
+    monkeypatch.setattr(FeatureDistillation, "_qualifier_states",
+                        lambda self, ids, mask, index=None: seen.append(index) or read(self, ids, mask, index))
+    args = FeatureDraftArguments(texts=str(_texts(tmp_path / "texts")), block_size=32, vocab_size=None,
+                                 cache_features=True)
     training_args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2,
                                       save_steps=2, report_to="none", use_cpu=True, learning_rate=1e-3)
     final = train(args, training_args, qualifier=qualifier, tokenizer=tokenizer)
@@ -83,6 +107,7 @@ def test_trainer_saves_loadable_folders_and_resumes(tmp_path):
     training_args.max_steps = 3
     final = train(args, training_args, qualifier=qualifier, tokenizer=tokenizer)
     assert FeatureDraft.load(final).meta["steps"] == 3  # resumed at step 2, not restarted
+    assert len(seen) == 3 and all(index is not None and len(index) == 2 for index in seen)  # Trainer passes indices
 
 
 def test_accelerate_launch_cpu_smoke(tmp_path):

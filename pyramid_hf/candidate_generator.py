@@ -224,7 +224,8 @@ def build_pyramid_generator(qualifier_model, draft, config: PyramidConfig, targe
 
     ``draft`` is a causal LM, a `FeatureDraft`, ``"prompt_lookup"``, a `CandidateGenerator` or None.
     """
-    qualifier = ModelLevel(qualifier_model, "qualifier", stats, keep_hidden=isinstance(draft, FeatureDraft))
+    keep_hidden = draft.select_features if isinstance(draft, FeatureDraft) else False
+    qualifier = ModelLevel(qualifier_model, "qualifier", stats, keep_hidden=keep_hidden)
     if draft == PROMPT_LOOKUP:
         eos = generation_config.eos_token_id
         eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos))

@@ -6,7 +6,9 @@ continues the qualifier's computation: element ``j`` of its input is ``fc([f_j ;
 last hidden state at position ``j`` (what its LM head reads to predict ``x_{j+1}``) joined with the embedding of the
 token that followed, and one decoder layer plus a final norm predict ``f_{j+1}``. The qualifier's own LM head turns
 that prediction into the distribution of ``x_{j+2}``. Drafting further, the draft feeds its own predicted feature in
-place of the qualifier's (Li et al., EAGLE, 2024).
+place of the qualifier's (Li et al., EAGLE, 2024). With ``feature_layers`` naming several of the qualifier's hidden
+states (e.g. a low, a middle and the final one, as in EAGLE-3), a learnt ``fuse`` map turns their concatenation into
+``f_j`` for the positions the qualifier has read.
 
 The draft borrows the qualifier's input embeddings and LM head (a reduced-vocabulary head on the qualifier makes the
 draft cheaper too), so its folder holds only the new parts: ``fc`` and one decoder layer (~17M parameters for a
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import AutoConfig, AutoModel, DynamicCache
 
 from .levels import text_config
@@ -66,6 +69,12 @@ class FeatureDraft(nn.Module):
         # the token that was actually chosen barely reaches the layer and the draft learns ~3x slower
         self.embed_scale = nn.Parameter(torch.ones(1))
         self.meta = dict(meta or {})
+        # which of the qualifier's hidden states the draft reads (indices into ``output_hidden_states``; -1 is the
+        # final, post-norm one); with several, ``fuse`` maps their concatenation to one state (EAGLE-3's low, middle
+        # and high layers), the earlier ones RMS-normalised first (a residual stream is far from the final scale)
+        self.feature_layers = tuple(int(i) for i in self.meta.get("feature_layers", (-1,)))
+        self.fuse = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False) \
+            if len(self.feature_layers) > 1 else None
 
     @property
     def config(self):
@@ -75,12 +84,40 @@ class FeatureDraft(nn.Module):
     def hidden_size(self) -> int:
         return int(self.decoder.config.hidden_size)
 
+    def select_features(self, hidden_states) -> torch.Tensor:
+        """The states this draft reads, from a model output's ``hidden_states`` (embeddings, then every layer):
+        (B, T, k * H), the final state as it is and earlier ones RMS-normalised."""
+        final = len(hidden_states) - 1
+        parts = []
+        for index in self.feature_layers:
+            state = hidden_states[index]
+            if index % len(hidden_states) != final:
+                state = F.rms_norm(state.float(), (state.shape[-1],)).to(state.dtype)
+            parts.append(state)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def fuse_features(self, selected: torch.Tensor) -> torch.Tensor:
+        """(B, T, k * H) selected states -> (B, T, H), the input the draft's ``fc`` reads for a real position."""
+        return selected if self.fuse is None else self.fuse(selected.to(self.fuse.weight.dtype))
+
     @classmethod
-    def from_qualifier(cls, qualifier_model, init_layer: int = -1, seed: int = 0) -> FeatureDraft:
+    def from_qualifier(cls, qualifier_model, init_layer: int = -1, seed: int = 0,
+                       feature_layers: tuple[int, ...] | list[int] = (-1,)) -> FeatureDraft:
         """A new draft for ``qualifier_model``: its decoder layer ``init_layer`` and final norm are copied as a
         starting point; ``fc`` reads the token embedding (scaled to the hidden states' size) as is and the feature
-        through small random weights."""
-        draft = cls(decoder_config_for(qualifier_model.config), meta={"init_layer": init_layer})
+        through small random weights. With several ``feature_layers``, ``fuse`` starts by passing the last of them
+        through (so a new draft starts as the one-layer design) and learns to mix in the others."""
+        layers = int(text_config(qualifier_model.config).num_hidden_layers)
+        feature_layers = tuple(int(i) for i in feature_layers)
+        if not feature_layers or any(not -(layers + 1) <= i <= layers for i in feature_layers):
+            raise ValueError(f"feature_layers must be indices into the qualifier's {layers + 1} hidden states "
+                             f"(-{layers + 1} .. {layers}), got {list(feature_layers)}")
+        if len({i % (layers + 1) for i in feature_layers}) != len(feature_layers):
+            raise ValueError(f"feature_layers names one hidden state twice: {list(feature_layers)}")
+        meta = {"init_layer": init_layer}
+        if feature_layers != (-1,):
+            meta["feature_layers"] = list(feature_layers)
+        draft = cls(decoder_config_for(qualifier_model.config), meta=meta)
         decoder = qualifier_model.get_decoder()  # Llama-like: .layers and a final .norm
         draft.decoder.layers[0].load_state_dict(decoder.layers[init_layer].state_dict())
         draft.decoder.norm.load_state_dict(decoder.norm.state_dict())
@@ -92,6 +129,10 @@ class FeatureDraft(nn.Module):
             draft.fc.weight.zero_()
             draft.fc.weight[:, :hidden].normal_(0.0, 0.5 / hidden**0.5, generator=torch.Generator().manual_seed(seed))
             draft.fc.weight[:, hidden:].copy_(torch.eye(hidden))
+            if draft.fuse is not None:
+                draft.fuse.weight.zero_()
+                highest = max(range(len(feature_layers)), key=lambda k: feature_layers[k] % (layers + 1))
+                draft.fuse.weight[:, highest * hidden : (highest + 1) * hidden].copy_(torch.eye(hidden))
         dtype = next(qualifier_model.parameters()).dtype
         return draft.to(dtype=dtype, device=next(qualifier_model.parameters()).device).eval()
 
@@ -158,7 +199,7 @@ class FeatureDraftLevel:
 
     def __init__(self, draft: FeatureDraft, qualifier, stats: PyramidStats, name: str = "draft"):
         self.draft = draft
-        self.qualifier = qualifier  # a ModelLevel with keep_hidden=True
+        self.qualifier = qualifier  # a ModelLevel with keep_hidden=draft.select_features
         self.stats = stats
         self.name = name
         self.device = next(draft.parameters()).device
@@ -215,7 +256,8 @@ class FeatureDraftLevel:
         self._crop(keep)
         logits = None
         if keep < usable:
-            logits = self._feed(real[:, keep:usable], input_ids[:, keep + 1 : usable + 1], attention_mask)
+            features = self.draft.fuse_features(real[:, keep:usable].to(device=self.device, dtype=self.dtype))
+            logits = self._feed(features, input_ids[:, keep + 1 : usable + 1], attention_mask)
             self.true_elements = usable
         if self.cached_ids.shape[1] == 0:
             return None  # nothing to start from: the qualifier has not read the prompt yet

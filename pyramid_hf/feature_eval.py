@@ -38,7 +38,7 @@ def walk(draft, teacher, path_ids: torch.Tensor, start: int, draft_tokens: int, 
     device = next(teacher.parameters()).device
     out = teacher(input_ids=path_ids.to(device), output_hidden_states=True)
     teacher_probs = out.logits[0].float().softmax(-1).cpu()  # row p predicts position p + 1
-    states = _PathStates(teacher, out.hidden_states[-1])
+    states = _PathStates(teacher, draft.select_features(out.hidden_states))
     level = FeatureDraftLevel(draft, states, PyramidStats())
     length = path_ids.shape[1]
     emitted, reached, kept = [], [0] * draft_tokens, [0] * draft_tokens

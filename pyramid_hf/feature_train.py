@@ -40,6 +40,10 @@ class FeatureDraftArguments:
                                                               "(oneDNN where measured faster), onednn, torch"})
     init_from: str | None = field(default=None, metadata={"help": "continue from a saved feature-draft folder"})
     init_layer: int = field(default=-1, metadata={"help": "qualifier decoder layer copied into a new draft"})
+    feature_layers: list[int] = field(default_factory=lambda: [-1], metadata={
+        "help": "which of the qualifier's hidden states a new draft reads (indices into output_hidden_states: 0 the "
+                "embeddings, -1 the final post-norm state); several, e.g. 2 12 -1, are fused by a learnt linear "
+                "map (EAGLE-3's low, middle and high layers)"})
     texts: str = field(default="stdlib-code", metadata={"help": "training text: 'stdlib-code' (offline: the Python "
                                                                 "standard library's modules), a local folder of "
                                                                 "*.py / *.txt files, a JSONL file of a model's own "
@@ -81,7 +85,8 @@ class FeatureDistillation(nn.Module):
         self.register_buffer("head_weight", head_weight.detach().clone(), persistent=False)  # (K, H)
         self.feature_loss_weight = feature_loss_weight
         self.unroll_steps = unroll_steps
-        self.feature_cache: dict[int, torch.Tensor] | None = {} if cache_features else None  # block index -> (T, H)
+        # block index -> (selected states (T, k * H), final state (T, H))
+        self.feature_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if cache_features else None
 
     @torch.no_grad()
     def _qualifier_features(self, input_ids, attention_mask):
@@ -90,30 +95,33 @@ class FeatureDistillation(nn.Module):
             self.qualifier.to(device)
         out = self.qualifier(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                              logits_to_keep=1)
-        return out.hidden_states[-1]  # (B, T, H) after the final norm
+        # what the draft reads (B, T, k * H) and what it predicts: the final state (B, T, H), after the final norm
+        return self.draft.select_features(out.hidden_states), out.hidden_states[-1]
 
     @torch.no_grad()
     def _qualifier_states(self, input_ids, attention_mask, block_index=None):
-        """The qualifier's last hidden states and its input embeddings of ``input_ids``; with a feature cache and
-        the blocks' dataset indices, read from the cache where every block of the batch was seen before."""
+        """The qualifier's states (those the draft reads, and the final ones) and its input embeddings of
+        ``input_ids``; with a feature cache and the blocks' dataset indices, read from the cache where every block of
+        the batch was seen before."""
         embeds = self.qualifier.get_input_embeddings()(input_ids)
         if self.feature_cache is None or block_index is None:
             return self._qualifier_features(input_ids, attention_mask), embeds
         keys = [int(i) for i in block_index]
         if all(k in self.feature_cache for k in keys):
-            features = torch.stack([self.feature_cache[k] for k in keys]).to(input_ids.device)
-        else:
-            features = self._qualifier_features(input_ids, attention_mask)
-            for k, row in zip(keys, features, strict=True):
-                self.feature_cache[k] = row.detach().to("cpu", copy=True)
-        return features, embeds
+            selected, final = (torch.stack([self.feature_cache[k][part] for k in keys]).to(input_ids.device)
+                               for part in (0, 1))
+            return (selected, final), embeds
+        selected, final = self._qualifier_features(input_ids, attention_mask)
+        for k, row, final_row in zip(keys, selected, final, strict=True):
+            self.feature_cache[k] = (row.detach().to("cpu", copy=True), final_row.detach().to("cpu", copy=True))
+        return (selected, final), embeds
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 block_index: torch.Tensor | None = None, **_):
-        features, embeds = self._qualifier_states(input_ids, attention_mask, block_index)
+        (selected, final), embeds = self._qualifier_states(input_ids, attention_mask, block_index)
         dtype = self.draft.fc.weight.dtype
-        features, embeds = features.to(dtype), embeds.to(dtype)
-        target_features = features[:, 1:]  # f_{j+1}, j = 0 .. T-2
+        features, embeds = self.draft.fuse_features(selected.to(dtype)), embeds.to(dtype)
+        target_features = final[:, 1:].to(dtype)  # f_{j+1}, j = 0 .. T-2
         teacher_logp = F.log_softmax((target_features @ self.head_weight.to(dtype).T).float(), dim=-1)
         mask = None if attention_mask is None else attention_mask[:, 1:].to(teacher_logp.dtype)
         inputs = features[:, :-1]
@@ -176,8 +184,12 @@ def build_module(args: FeatureDraftArguments, qualifier, tokenizer) -> FeatureDi
     if args.init_from:
         draft = FeatureDraft.load(args.init_from, dtype=torch.float32)
         draft.check_qualifier(qualifier)
+        if list(args.feature_layers) not in ([-1], list(draft.feature_layers)):
+            raise ValueError(f"feature_layers {list(args.feature_layers)} differ from the draft's in {args.init_from} "
+                             f"({list(draft.feature_layers)}): a continued draft keeps the states it was built for")
     else:
-        draft = FeatureDraft.from_qualifier(qualifier, init_layer=args.init_layer).float()
+        draft = FeatureDraft.from_qualifier(qualifier, init_layer=args.init_layer,
+                                            feature_layers=args.feature_layers).float()
     draft.train()
     head = qualifier.get_output_embeddings()
     if args.vocab_size and args.vocab_size < head.weight.shape[0] and not isinstance(head, ReducedVocabHead):

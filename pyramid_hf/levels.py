@@ -36,7 +36,7 @@ def vocab_size_of(model) -> int:
 class ModelLevel:
     """A causal LM used as one level (draft, qualifier or target), batch size 1."""
 
-    def __init__(self, model, name: str, stats: PyramidStats, cache=None, keep_hidden: bool = False):
+    def __init__(self, model, name: str, stats: PyramidStats, cache=None, keep_hidden=False):
         self.model = model
         self.name = name
         self.stats = stats
@@ -46,9 +46,11 @@ class ModelLevel:
         params = inspect.signature(model.forward).parameters
         self._takes_logits_to_keep = "logits_to_keep" in params
         self._sync = self.device.type == "cuda"
-        # the last hidden state (what the LM head reads) of every cached position, for a feature draft below
-        self.keep_hidden = keep_hidden
-        self.hidden: torch.Tensor | None = None  # (1, len(cached_ids), H) when keep_hidden
+        # hidden states of every cached position, for a feature draft below: True keeps the last one (what the LM
+        # head reads); a callable picks from the output's ``hidden_states`` (a `FeatureDraft.select_features`)
+        self.keep_hidden = bool(keep_hidden)
+        self.select_hidden = keep_hidden if callable(keep_hidden) else (lambda states: states[-1])
+        self.hidden: torch.Tensor | None = None  # (1, len(cached_ids), width) when keep_hidden
         self.pending_nodes = 0  # draft-tree nodes the cache holds past cached_ids, until commit_tree_path()
         self.pending_hidden: torch.Tensor | None = None
         self.pending_ids: tuple[int, ...] = ()
@@ -70,7 +72,7 @@ class ModelLevel:
                 self.hidden = self.hidden[:, :keep]
 
     def hidden_for(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Last hidden states (1, F, H) of the longest cached prefix of ``input_ids`` (needs keep_hidden)."""
+        """Kept hidden states (1, F, width) of the longest cached prefix of ``input_ids`` (needs keep_hidden)."""
         if not self.keep_hidden:
             raise RuntimeError(f"the {self.name} level does not keep hidden states")
         if self.hidden is None:
@@ -106,7 +108,7 @@ class ModelLevel:
         out = self.model(input_ids=new_ids.to(self.device), **kwargs)
         sequence_new = input_ids.shape[1] - keep
         if self.keep_hidden:
-            last = out.hidden_states[-1]  # (1, new, H), after the final norm
+            last = self.select_hidden(out.hidden_states)  # (1, new, width)
             seq_last = last[:, :sequence_new]
             self.hidden = seq_last if self.hidden is None else torch.cat([self.hidden, seq_last], dim=1)
             self.pending_hidden = last[:, sequence_new:]

@@ -35,9 +35,9 @@ def perfect_draft(qualifier):
 def reference_logits(draft, qualifier, ids, real):
     """Logits after ids (1, L) when the first ``real`` positions have the qualifier's states, recomputed
     without any cache: later elements read the draft's own predictions, one element at a time."""
-    states = qualifier(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    states = draft.select_features(qualifier(input_ids=ids, output_hidden_states=True).hidden_states)
     embeds = qualifier.get_input_embeddings()(ids[:, 1:])
-    features = states[:, : min(real, ids.shape[1] - 1)]
+    features = draft.fuse_features(states[:, : min(real, ids.shape[1] - 1)])
     while True:
         predicted = draft(features, embeds[:, : features.shape[1]])
         if features.shape[1] == ids.shape[1] - 1:
@@ -45,16 +45,19 @@ def reference_logits(draft, qualifier, ids, real):
         features = torch.cat([features, predicted[:, -1:]], dim=1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_cached_level_equals_the_recurrence_from_scratch(arch):
+@pytest.mark.parametrize("arch,feature_layers", [("llama", (-1,)), ("qwen2", (-1,)), ("llama", (0, 1, -1))])
+def test_cached_level_equals_the_recurrence_from_scratch(arch, feature_layers):
     qualifier = tiny_model(arch, 32, 2, seed=3)
-    draft = FeatureDraft.from_qualifier(qualifier, seed=1)
+    draft = FeatureDraft.from_qualifier(qualifier, seed=1, feature_layers=feature_layers)
     with torch.no_grad():
         draft.fc.weight.normal_(0, 0.2)  # the feature half matters
+        if draft.fuse is not None:
+            draft.fuse.weight.normal_(0, 0.2)  # every fused layer matters
     gen = torch.Generator().manual_seed(0)
 
     def states_of(path):
-        return _PathStates(qualifier, qualifier(input_ids=path, output_hidden_states=True).hidden_states[-1])
+        hidden_states = qualifier(input_ids=path, output_hidden_states=True).hidden_states
+        return _PathStates(qualifier, draft.select_features(hidden_states))
 
     path = torch.randint(3, VOCAB, (1, 60), generator=gen)
     states = states_of(path)
@@ -108,6 +111,46 @@ def test_greedy_output_equals_target_alone(arch, seed, prompt_len, new, l_d, l_q
         assert stats.draft_accepted == stats.draft_proposed
 
 
+@pytest.mark.parametrize("arch,seed", [("llama", 0), ("qwen2", 1)])
+def test_greedy_output_equals_target_alone_with_fused_layers(arch, seed):
+    target = tiny_model(arch, 48, 2, seed=seed + 10)
+    qualifier = tiny_model(arch, 32, 3, seed=seed, init=0.3)
+    draft = FeatureDraft.from_qualifier(qualifier, seed=seed, feature_layers=(1, 2, -1))
+    with torch.no_grad():
+        draft.fuse.weight.add_(torch.randn_like(draft.fuse.weight) * 0.2)
+    torch.manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (1, 5))
+    want = target.generate(input_ids=ids, max_new_tokens=40, do_sample=False)
+    assistant = PyramidAssistant(qualifier, draft, PyramidConfig(draft_tokens=3, qualifier_tokens=6))
+    got = target.generate(input_ids=ids, max_new_tokens=40, do_sample=False, assistant_model=assistant)
+    assert torch.equal(got, want)
+    assert assistant.stats.draft_proposed > 0 and assistant.stats.forward_calls["draft"] > 0
+
+
+def test_a_new_multi_layer_draft_starts_as_the_one_layer_draft():
+    qualifier = tiny_model("qwen2", 32, 3, seed=2)
+    one = FeatureDraft.from_qualifier(qualifier, seed=4)
+    several = FeatureDraft.from_qualifier(qualifier, seed=4, feature_layers=(0, 2, -1))
+    assert one.fuse is None and several.fuse.weight.shape == (32, 96)
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden_states = qualifier(input_ids=ids, output_hidden_states=True).hidden_states
+        embeds = qualifier.get_input_embeddings()(ids)
+        selected = several.select_features(hidden_states)
+        assert selected.shape == (1, 12, 96)
+        rms = selected[..., :64].pow(2).mean(-1).sqrt()  # earlier layers arrive RMS-normalised
+        torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(several(several.fuse_features(selected), embeds),
+                                   one(one.fuse_features(one.select_features(hidden_states)), embeds))
+
+
+@pytest.mark.parametrize("layers,message", [((5,), "indices into the qualifier's 3 hidden states"),
+                                            ((), "indices"), ((2, -1), "names one hidden state twice")])
+def test_bad_feature_layers_are_refused(layers, message):
+    with pytest.raises(ValueError, match=message):
+        FeatureDraft.from_qualifier(tiny_model("llama", 32, 2), feature_layers=layers)
+
+
 def test_sampling_follows_the_target_distribution(sharp_trio):  # noqa: F811
     target, _, _ = sharp_trio
     qualifier = token_local(tiny_model("llama", 16, 1, 1, vocab=8, init=0.5))
@@ -133,6 +176,17 @@ def test_save_load_round_trip_and_load_model(tmp_path):
     f, e = torch.randn(1, 5, 32), torch.randn(1, 5, 32)
     torch.testing.assert_close(loaded.model(f, e), draft(f, e))
     assert FeatureDraft.load(folder).fc.weight.dtype == torch.float32  # the stored dtype by default
+
+
+def test_a_multi_layer_draft_round_trips(tmp_path):
+    qualifier = tiny_model("llama", 32, 2)
+    draft = FeatureDraft.from_qualifier(qualifier, feature_layers=(1, -1))
+    with torch.no_grad():
+        draft.fuse.weight.normal_(0, 0.1)
+    loaded = FeatureDraft.load(draft.save(tmp_path / "d"))
+    assert loaded.feature_layers == (1, -1)
+    selected = torch.randn(1, 5, 64)
+    torch.testing.assert_close(loaded.fuse_features(selected), draft.fuse_features(selected))
 
 
 def test_a_draft_for_another_qualifier_width_is_refused():

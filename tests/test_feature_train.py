@@ -47,9 +47,10 @@ def _texts(folder: Path) -> Path:
     return folder
 
 
-def test_the_loss_falls_on_a_fixed_batch():
+@pytest.mark.parametrize("feature_layers", [[-1], [1, -1]])
+def test_the_loss_falls_on_a_fixed_batch(feature_layers):
     qualifier = tiny_model("qwen2", 32, 2, init=0.3)
-    args = FeatureDraftArguments(vocab_size=None, unroll_steps=2)
+    args = FeatureDraftArguments(vocab_size=None, unroll_steps=2, feature_layers=feature_layers)
     module = build_module(args, qualifier, tiny_tokenizer())
     batch = torch.randint(3, VOCAB, (4, 24), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=3e-3)
@@ -63,11 +64,13 @@ def test_the_loss_falls_on_a_fixed_batch():
     assert losses[-1] < 0.6 * losses[0], losses
     assert not any(p.requires_grad for p in qualifier.parameters())
     assert set(module.state_dict()) == {f"draft.{k}" for k in module.draft.state_dict()}  # no teacher weights
+    assert (module.draft.fuse is not None) == (len(feature_layers) > 1)
 
 
-def test_cached_qualifier_states_give_the_same_loss_without_a_second_qualifier_forward():
+@pytest.mark.parametrize("feature_layers", [[-1], [0, -1]])
+def test_cached_qualifier_states_give_the_same_loss_without_a_second_qualifier_forward(feature_layers):
     qualifier = tiny_model("qwen2", 32, 2, init=0.3)
-    args = FeatureDraftArguments(vocab_size=None, cache_features=True)
+    args = FeatureDraftArguments(vocab_size=None, cache_features=True, feature_layers=feature_layers)
     module = build_module(args, qualifier, tiny_tokenizer())
     plain = FeatureDistillation(module.draft, qualifier, qualifier.lm_head.weight, 0.1, 2)
     batch = torch.randint(3, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
@@ -152,3 +155,13 @@ def test_a_perfect_feature_draft_is_kept_along_another_models_path(tmp_path):
     result = measure(perfect_draft(qualifier), qualifier, prompts, args,
                      path_model=tiny_model("llama", 32, 2, seed=5, init=0.3))
     assert result["acceptance_exact_greedy"] == 1.0 and result["mean_tv"] < 1e-5
+
+
+def test_continuing_a_draft_with_other_feature_layers_is_refused(tmp_path):
+    qualifier, tokenizer = tiny_model("llama", 32, 2), tiny_tokenizer()
+    folder = FeatureDraft.from_qualifier(qualifier, feature_layers=(1, -1)).save(tmp_path / "d")
+    continued = build_module(FeatureDraftArguments(vocab_size=None, init_from=str(folder)), qualifier, tokenizer)
+    assert continued.draft.feature_layers == (1, -1)  # the default keeps the draft's own
+    with pytest.raises(ValueError, match=r"feature_layers \[0, -1\] differ.*\[1, -1\]"):
+        build_module(FeatureDraftArguments(vocab_size=None, init_from=str(folder), feature_layers=[0, -1]),
+                     qualifier, tokenizer)

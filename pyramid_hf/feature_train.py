@@ -187,6 +187,7 @@ def build_module(args: FeatureDraftArguments, qualifier, tokenizer) -> FeatureDi
         if list(args.feature_layers) not in ([-1], list(draft.feature_layers)):
             raise ValueError(f"feature_layers {list(args.feature_layers)} differ from the draft's in {args.init_from} "
                              f"({list(draft.feature_layers)}): a continued draft keeps the states it was built for")
+        draft.meta["steps_before"] = int(draft.meta.get("steps") or 0)  # saved folders count all steps
     else:
         draft = FeatureDraft.from_qualifier(qualifier, init_layer=args.init_layer,
                                             feature_layers=args.feature_layers).float()
@@ -203,8 +204,9 @@ def _save_draft(module: FeatureDistillation, folder: Path, args: FeatureDraftArg
     """A loadable feature-draft folder (bf16) of the module's current draft; training state is left as it is."""
     import copy
 
+    steps = int(module.draft.meta.get("steps_before", 0)) + step  # a continued draft counts its earlier runs
     copy.deepcopy(module.draft).to(torch.bfloat16).save(
-        folder, qualifier=args.qualifier, texts=args.texts, steps=step, block_size=args.block_size,
+        folder, qualifier=args.qualifier, texts=args.texts, steps=steps, block_size=args.block_size,
         unroll_steps=args.unroll_steps, vocab_size=args.vocab_size)
     tokenizer.save_pretrained(folder)
     return folder

@@ -111,6 +111,9 @@ def test_trainer_saves_loadable_folders_and_resumes(tmp_path, monkeypatch):
     final = train(args, training_args, qualifier=qualifier, tokenizer=tokenizer)
     assert FeatureDraft.load(final).meta["steps"] == 3  # resumed at step 2, not restarted
     assert len(seen) == 3 and all(index is not None and len(index) == 2 for index in seen)  # Trainer passes indices
+    args.init_from, training_args.output_dir = str(final), str(tmp_path / "continued")
+    continued = FeatureDraft.load(train(args, training_args, qualifier=qualifier, tokenizer=tokenizer))
+    assert continued.meta["steps"] == 6 and continued.meta["steps_before"] == 3  # --init_from counts earlier runs
 
 
 def test_accelerate_launch_cpu_smoke(tmp_path):

@@ -53,6 +53,15 @@ def decoder_config_for(qualifier_config):
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
+def check_feature_layers(feature_layers: tuple[int, ...], num_layers: int) -> None:
+    """``feature_layers`` must name distinct hidden states of a qualifier with ``num_layers`` decoder layers."""
+    if not feature_layers or any(not -(num_layers + 1) <= i <= num_layers for i in feature_layers):
+        raise ValueError(f"feature_layers must be indices into the qualifier's {num_layers + 1} hidden states "
+                         f"(-{num_layers + 1} .. {num_layers}), got {list(feature_layers)}")
+    if len({i % (num_layers + 1) for i in feature_layers}) != len(feature_layers):
+        raise ValueError(f"feature_layers names one hidden state twice: {list(feature_layers)}")
+
+
 def is_feature_folder(folder) -> bool:
     return (Path(folder) / CONFIG_FILE).is_file()
 
@@ -109,11 +118,7 @@ class FeatureDraft(nn.Module):
         through (so a new draft starts as the one-layer design) and learns to mix in the others."""
         layers = int(text_config(qualifier_model.config).num_hidden_layers)
         feature_layers = tuple(int(i) for i in feature_layers)
-        if not feature_layers or any(not -(layers + 1) <= i <= layers for i in feature_layers):
-            raise ValueError(f"feature_layers must be indices into the qualifier's {layers + 1} hidden states "
-                             f"(-{layers + 1} .. {layers}), got {list(feature_layers)}")
-        if len({i % (layers + 1) for i in feature_layers}) != len(feature_layers):
-            raise ValueError(f"feature_layers names one hidden state twice: {list(feature_layers)}")
+        check_feature_layers(feature_layers, layers)
         meta = {"init_layer": init_layer}
         if feature_layers != (-1,):
             meta["feature_layers"] = list(feature_layers)
@@ -187,6 +192,7 @@ class FeatureDraft(nn.Module):
         if width != self.hidden_size:
             raise ValueError(f"the feature draft reads hidden states of width {self.hidden_size}, but the qualifier's "
                              f"are {width} wide: it was trained for another qualifier")
+        check_feature_layers(self.feature_layers, int(text_config(qualifier_model.config).num_hidden_layers))
 
 
 class FeatureDraftLevel:

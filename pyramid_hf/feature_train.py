@@ -112,8 +112,10 @@ class FeatureDistillation(nn.Module):
                                for part in (0, 1))
             return (selected, final), embeds
         selected, final = self._qualifier_features(input_ids, attention_mask)
+        same = selected is final  # a one-state draft reads the final state itself: keep one copy
         for k, row, final_row in zip(keys, selected, final, strict=True):
-            self.feature_cache[k] = (row.detach().to("cpu", copy=True), final_row.detach().to("cpu", copy=True))
+            kept = row.detach().to("cpu", copy=True)
+            self.feature_cache[k] = (kept, kept if same else final_row.detach().to("cpu", copy=True))
         return (selected, final), embeds
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

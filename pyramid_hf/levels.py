@@ -48,12 +48,18 @@ class ModelLevel:
         self._sync = self.device.type == "cuda"
         # hidden states of every cached position, for a feature draft below: True keeps the last one (what the LM
         # head reads); a callable picks from the output's ``hidden_states`` (a `FeatureDraft.select_features`)
-        self.keep_hidden = bool(keep_hidden)
-        self.select_hidden = keep_hidden if callable(keep_hidden) else (lambda states: states[-1])
+        if callable(keep_hidden):
+            self.select_hidden = keep_hidden
+        else:
+            self.select_hidden = (lambda states: states[-1]) if keep_hidden else None
         self.hidden: torch.Tensor | None = None  # (1, len(cached_ids), width) when keep_hidden
         self.pending_nodes = 0  # draft-tree nodes the cache holds past cached_ids, until commit_tree_path()
         self.pending_hidden: torch.Tensor | None = None
         self.pending_ids: tuple[int, ...] = ()
+
+    @property
+    def keep_hidden(self) -> bool:
+        return self.select_hidden is not None
 
     def _common_prefix(self, input_ids: torch.Tensor) -> int:
         n = min(self.cached_ids.shape[1], input_ids.shape[1])
@@ -108,10 +114,10 @@ class ModelLevel:
         out = self.model(input_ids=new_ids.to(self.device), **kwargs)
         sequence_new = input_ids.shape[1] - keep
         if self.keep_hidden:
-            last = self.select_hidden(out.hidden_states)  # (1, new, width)
-            seq_last = last[:, :sequence_new]
-            self.hidden = seq_last if self.hidden is None else torch.cat([self.hidden, seq_last], dim=1)
-            self.pending_hidden = last[:, sequence_new:]
+            kept = self.select_hidden(out.hidden_states)  # (1, new, width)
+            seq_kept = kept[:, :sequence_new]
+            self.hidden = seq_kept if self.hidden is None else torch.cat([self.hidden, seq_kept], dim=1)
+            self.pending_hidden = kept[:, sequence_new:]
         logits = out.logits[0, -num_positions:]
         logits = logits.to(device=input_ids.device, dtype=torch.float32)
         if self._sync:

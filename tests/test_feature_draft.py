@@ -195,6 +195,16 @@ def test_a_draft_for_another_qualifier_width_is_refused():
         PyramidAssistant(tiny_model("llama", 64, 2), draft)
 
 
+def test_a_draft_reading_layers_the_qualifier_lacks_is_refused(tmp_path):
+    qualifier = tiny_model("llama", 32, 3)
+    draft = FeatureDraft.load(FeatureDraft.from_qualifier(qualifier, feature_layers=(2, -1)).save(tmp_path / "d"))
+    PyramidAssistant(qualifier, draft)  # the qualifier it was built for: accepted
+    with pytest.raises(ValueError, match=r"names one hidden state twice: \[2, -1\]"):  # 2 is the final state here
+        PyramidAssistant(tiny_model("llama", 32, 2), draft)
+    with pytest.raises(ValueError, match=r"indices into the qualifier's 2 hidden states .*got \[2, -1\]"):
+        PyramidAssistant(tiny_model("llama", 32, 1), draft)
+
+
 def test_a_folder_of_another_format_is_refused(tmp_path):
     draft = FeatureDraft.from_qualifier(tiny_model("llama", 32, 2))
     folder = draft.save(tmp_path / "d")

@@ -79,6 +79,8 @@ def test_cached_qualifier_states_give_the_same_loss_without_a_second_qualifier_f
     qualifier.register_forward_hook(lambda *_: calls.append(1))
     first = module(batch, block_index=index)["loss"]
     assert len(calls) == 1 and sorted(module.feature_cache) == [0, 4, 7]
+    selected, final = module.feature_cache[4]
+    assert (selected is final) == (feature_layers == [-1])  # a one-state draft's cache holds one copy
     second = module(batch[[1, 0]], block_index=index[[1, 0]])["loss"]  # seen blocks, another order: no forward
     assert len(calls) == 1
     torch.testing.assert_close(second, plain(batch[[1, 0]])["loss"], rtol=0, atol=0)

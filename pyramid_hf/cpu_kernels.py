@@ -10,6 +10,7 @@
   linear for calls of few rows on AVX2 CPUs (`skinny_linear`); where it cannot be built (no compiler, no AVX2) the
   other kernels serve; and ``pyramid_hf/csrc/skinny_linear_bf16.cpp``, a bf16 linear for calls of few rows on CPUs with
   AVX512-BF16 (`skinny_linear_bf16`), where a one-token call reads the weights faster than torch's bf16 kernel.
+  Both include ``csrc/weight_tiles.h`` (how threads split the output features).
 - ``torch.cpu._is_amx_tile_supported`` / ``torch.cpu._is_avx512_bf16_supported``: whether bf16 matmuls run in
   hardware (`native_bf16`).
 
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 import math
@@ -36,6 +38,7 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)  # call widths (rows) at which kerne
 SKINNY_MAX_ROWS = 16  # widest call the few-row kernel is timed (and used) at
 SKINNY_SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
 SKINNY_BF16_SOURCE = Path(__file__).parent / "csrc" / "skinny_linear_bf16.cpp"
+KERNEL_HEADERS = (Path(__file__).parent / "csrc" / "weight_tiles.h",)  # included by both sources
 COLD_BYTES_CAP = 512 * 2**20  # most memory the cold-cache timing copies may take
 
 
@@ -66,6 +69,13 @@ def onednn_available() -> bool:
         return False
 
 
+def _build_name(name: str) -> str:
+    """``name`` with a digest of the shared headers: torch's build cache keys on the sources' text alone, so an
+    edited header gets a build of its own instead of an old one."""
+    digest = hashlib.sha256(b"".join(header.read_bytes() for header in KERNEL_HEADERS)).hexdigest()[:10]
+    return f"{name}_{digest}"
+
+
 def _compile(name: str, source: Path, flags: list[str], what: str):
     """``source`` compiled and loaded as extension ``name`` (torch caches the build per machine: ~30 s once), or
     None, with a log line saying why, where it cannot be built."""
@@ -84,7 +94,8 @@ def _compile(name: str, source: Path, flags: list[str], what: str):
         from torch.utils.cpp_extension import load
 
         logger.info("loading the %s (%s; compiled on first use, ~30 s, then cached by torch)", what, source.name)
-        return load(name=name, sources=[str(source)], extra_cflags=["-O3", *flags, "-fopenmp"], verbose=False)
+        return load(name=_build_name(name), sources=[str(source)], extra_cflags=["-O3", *flags, "-fopenmp"],
+                    extra_include_paths=[str(source.parent)], verbose=False)
     except Exception as error:  # noqa: BLE001 - any build failure: fall back, never crash decoding
         logger.warning("%s not built (%s: %s); the library kernels serve", what, type(error).__name__,
                        str(error).strip().splitlines()[-1:] or "")

@@ -264,3 +264,25 @@ def test_time_kernels_skips_a_kernel_above_its_widest():
                            max_rows={"b": 2})
     assert all(math.isfinite(t) for t in timings["a"]) and timings["b"][2] == math.inf
     assert all(math.isfinite(t) for t in timings["b"][:2])
+
+
+def test_kernel_builds_are_named_by_the_shared_header_and_ship_with_it(tmp_path, monkeypatch):
+    import ast
+    import fnmatch
+    import re
+
+    csrc = Path(cpu_kernels.__file__).parent / "csrc"
+    for source in (cpu_kernels.SKINNY_SOURCE, cpu_kernels.SKINNY_BF16_SOURCE):
+        assert '#include "weight_tiles.h"' in source.read_text()
+    assert [h.name for h in cpu_kernels.KERNEL_HEADERS] == ["weight_tiles.h"]
+    # torch's build cache keys on the sources alone: an edited header must change the build's name
+    before = cpu_kernels._build_name("k")
+    header = tmp_path / "weight_tiles.h"
+    header.write_text(cpu_kernels.KERNEL_HEADERS[0].read_text() + "// edited\n")
+    monkeypatch.setattr(cpu_kernels, "KERNEL_HEADERS", (header,))
+    assert cpu_kernels._build_name("k") != before and cpu_kernels._build_name("k").startswith("k_")
+    # a wheel (non-editable install) carries every file the kernels compile
+    pyproject = (csrc.parents[1] / "pyproject.toml").read_text()  # (tomllib needs Python 3.11)
+    globs = ast.literal_eval(re.search(r"\[tool\.setuptools\.package-data\]\npyramid_hf = (\[.*\])", pyproject)[1])
+    for path in csrc.iterdir():
+        assert any(fnmatch.fnmatch(f"csrc/{path.name}", g) for g in globs), path.name

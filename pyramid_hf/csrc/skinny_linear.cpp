@@ -8,8 +8,9 @@
 // Each (m, n) has a single accumulator walked over k in the same order whatever the number of rows, so a row's result
 // does not depend on how many rows share the call (tests/test_cpu_kernels.py checks this bit for bit).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "weight_tiles.h"
 
 namespace {
 
@@ -85,17 +86,8 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& weight,
   const float* xp = x2.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = (N + kRowsPerTile - 1) / kRowsPerTile;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; t++) {
-      const int64_t n0 = t * kRowsPerTile;
-      const int nrows = static_cast<int>(std::min<int64_t>(kRowsPerTile, N - n0));
-      if (nrows == kRowsPerTile) {
-        weight_rows<kRowsPerTile>(xp, wp + n0 * K, M, K, yp, N, bias_ptr, n0, nrows);
-      } else {
-        for (int i = 0; i < nrows; i++) weight_rows<1>(xp, wp + (n0 + i) * K, M, K, yp, N, bias_ptr, n0 + i, 1);
-      }
-    }
+  pyramid_hf::for_each_weight_tile<kRowsPerTile>(N, [&](auto nb, int64_t n0) {
+    weight_rows<decltype(nb)::value>(xp, wp + n0 * K, M, K, yp, N, bias_ptr, n0, decltype(nb)::value);
   });
   auto shape = x.sizes().vec();
   shape.back() = N;

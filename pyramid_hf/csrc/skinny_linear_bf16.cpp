@@ -10,8 +10,9 @@
 // Each (m, n) has one accumulator walked over k in the same order whatever the number of rows, so a row's result
 // does not depend on how many rows share the call (tests/test_cpu_kernels.py checks this bit for bit).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "weight_tiles.h"
 
 #include <cstring>
 
@@ -120,17 +121,8 @@ torch::Tensor skinny_linear_bf16(const torch::Tensor& x, const torch::Tensor& we
   const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t tiles = (N + kRowsPerTile - 1) / kRowsPerTile;  // threads split the output features
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; t++) {
-      const int64_t n0 = t * kRowsPerTile;
-      const int nrows = static_cast<int>(std::min<int64_t>(kRowsPerTile, N - n0));
-      if (nrows == kRowsPerTile) {
-        weight_rows<kRowsPerTile>(xp, wp + n0 * K, M, K, yp, N, bias_ptr, n0, nrows);
-      } else {
-        for (int i = 0; i < nrows; i++) weight_rows<1>(xp, wp + (n0 + i) * K, M, K, yp, N, bias_ptr, n0 + i, 1);
-      }
-    }
+  pyramid_hf::for_each_weight_tile<kRowsPerTile>(N, [&](auto nb, int64_t n0) {
+    weight_rows<decltype(nb)::value>(xp, wp + n0 * K, M, K, yp, N, bias_ptr, n0, decltype(nb)::value);
   });
   return y.view(out_shape(x, N));
 }

@@ -59,6 +59,10 @@ class EvalAcceptanceArgs:
                 "preset's qualifier_quantization when the student is the preset's qualifier, else none"})
     teacher_quantization: str | None = field(default=None, metadata={
         "help": "none or int8, as --student_quantization, for the teacher"})
+    paths_file: str | None = field(default=None, metadata={
+        "help": "JSONL file of the greedy continuations walked: reused where it holds one by the same writer (model, "
+                "dtype, quantization, --max_new_tokens), else generated and appended; the generation is most of an "
+                "eval's time, so scoring a run's checkpoints on one file costs it once"})
     latency_repeats: int = field(default=5, metadata={"help": "timed repeats per latency (median); 0 skips timing"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
@@ -205,9 +209,11 @@ def _latency_ms(model, ids: torch.Tensor, n: int, repeats: int) -> float:
     return statistics.median(times[1:]) * 1000
 
 
-def measure(student, teacher, prompts: list[torch.Tensor], args: EvalAcceptanceArgs, path_model=None) -> dict:
+def measure(student, teacher, prompts: list[torch.Tensor], args: EvalAcceptanceArgs, path_model=None,
+            paths=None) -> dict:
     """Everything the report holds, for prompts given as (1, L) id tensors, along ``path_model``'s greedy
-    continuations (default: the teacher's). Acceptance compares the student's argmax with the teacher's.
+    continuations (default: the teacher's), read from ``paths`` (a `GreedyPaths`) where it holds them.
+    Acceptance compares the student's argmax with the teacher's.
 
     A `FeatureDraft` student is walked block by block (`pyramid_hf.feature_eval`): its distribution depends on
     where a block starts."""
@@ -221,8 +227,12 @@ def measure(student, teacher, prompts: list[torch.Tensor], args: EvalAcceptanceA
     for ids in tqdm(prompts, desc="eval-acceptance", disable=not args.progress):
         writer = teacher if path_model is None else path_model
         device = next(writer.parameters()).device
-        full = writer.generate(ids.to(device), do_sample=False, max_new_tokens=args.max_new_tokens,
-                                attention_mask=torch.ones_like(ids, device=device)).cpu()
+
+        def generate(ids=ids, writer=writer, device=device):
+            return writer.generate(ids.to(device), do_sample=False, max_new_tokens=args.max_new_tokens,
+                                   attention_mask=torch.ones_like(ids, device=device)).cpu()
+
+        full = generate() if paths is None else paths.continuation(ids, generate)
         device = next(teacher.parameters()).device
         if full.shape[1] == ids.shape[1]:
             continue
@@ -353,8 +363,18 @@ def run_eval_acceptance(args: EvalAcceptanceArgs, command: str | None = None) ->
         student.model.check_qualifier(teacher.model)
     tasks = load_tasks(args.split, args.limit)
     prompts = [teacher.tokenizer(t.prompt, return_tensors="pt").input_ids for t in tasks]
+    paths = None
+    if args.paths_file:
+        from .greedy_paths import GreedyPaths
+
+        paths = GreedyPaths(args.paths_file, {"model": args.path_model or teacher_source, "dtype": args.dtype,
+                                              "quantization": "none" if path else quantization["teacher"],
+                                              "max_new_tokens": args.max_new_tokens})
     result = measure(student.model.eval(), teacher.model.eval(), prompts, args,
-                     path_model=path.model.eval() if path else None)
+                     path_model=path.model.eval() if path else None, paths=paths)
+    if paths is not None:
+        logger.info("greedy paths: %d read from %s, %d generated and appended", paths.reused, paths.file,
+                    paths.written)
     config = asdict(args) | {"student": student_source, "teacher": teacher_source, "prompts": len(prompts),
                              "origins": {"student": student.origin, "teacher": teacher.origin},
                              "torch_threads": torch.get_num_threads(), "command": command}

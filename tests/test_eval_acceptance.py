@@ -158,3 +158,48 @@ def test_a_quantized_student_end_to_end(tmp_path, monkeypatch):
     assert "int8 weights for calls of <= 8 tokens" in config["origins"]["student"]
     assert "int8" not in config["origins"]["teacher"]
     assert result["positions"] == 6
+
+
+def test_greedy_paths_are_reused_only_for_the_same_writer_and_give_the_same_report(tmp_path):
+    from pyramid_hf.greedy_paths import GreedyPaths
+
+    student, teacher = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    args = _args(tmp_path, max_new_tokens=10, draft_tokens=3, latency_repeats=0)  # timings differ run to run
+    file = tmp_path / "paths.jsonl"
+    writer = {"model": "t", "dtype": "float32", "quantization": "none", "max_new_tokens": 10}
+    fresh = measure(student, teacher, _prompts(), args, paths=GreedyPaths(file, writer))
+    assert len(file.read_text().splitlines()) == 3
+    reread = GreedyPaths(file, writer)
+    teacher.generate = lambda *a, **k: pytest.fail("a stored path was generated again")
+    assert measure(student, teacher, _prompts(), args, paths=reread) == fresh
+    assert (reread.reused, reread.written) == (3, 0)
+    other = GreedyPaths(file, writer | {"max_new_tokens": 6})  # another writer's paths are never used
+    assert other.paths == {}
+    del teacher.generate
+    measure(student, teacher, _prompts(), _args(tmp_path, max_new_tokens=6, draft_tokens=3), paths=other)
+    assert other.written == 3 and len(file.read_text().splitlines()) == 6
+    assert len(GreedyPaths(file, writer).paths) == 3  # both writers' records live side by side
+
+
+@pytest.mark.parametrize("line,match", [("{not json", "is not JSON"), ('{"ids": [1]}', "not a greedy-path record"),
+                                        ('{"writer": {}, "prompt_ids": [1, 2], "ids": [1, 3, 4]}',
+                                         "does not start with its prompt")])
+def test_a_damaged_paths_file_is_named_not_used(tmp_path, line, match):
+    from pyramid_hf.greedy_paths import GreedyPaths
+
+    file = tmp_path / "paths.jsonl"
+    file.write_text(line + "\n")
+    with pytest.raises(ValueError, match=match):
+        GreedyPaths(file, {})
+
+
+def test_command_reuses_its_paths_file(tmp_path, caplog):
+    out = _save_pair(tmp_path)
+    command = ["eval-acceptance", "--preset", "", "--student", str(tmp_path / "student"), "--teacher",
+               str(tmp_path / "teacher"), "--limit", "2", "--max-new-tokens", "8", "--latency_repeats", "0",
+               "--dtype", "float32", "--paths_file", str(tmp_path / "paths.jsonl")]
+    assert main(command + ["--out", str(out / "1")]) == 0
+    with caplog.at_level("INFO", logger="pyramid_hf"):
+        assert main(command + ["--out", str(out / "2")]) == 0
+    assert "greedy paths: 2 read from" in caplog.text and "0 generated" in caplog.text
+    assert load_report(out / "1" / "acceptance.json")[1] == load_report(out / "2" / "acceptance.json")[1]

@@ -8,8 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import PyramidConfig
-from .cpu_linear import CPU_LINEAR_HELP, DTYPE_HELP, check_cpu_linear
-from .quantize import check_quantization_flag
+from .decoding_args import DecodingArgs
 
 logger = logging.getLogger("pyramid_hf")
 
@@ -17,34 +16,18 @@ METHODS = ("ar", "sd", "psd")
 
 
 @dataclass
-class GenerateArgs:
+class GenerateArgs(DecodingArgs):
     prompt: str = field(metadata={"help": "the prompt text (raw completion; add --chat for instruct models' template)"})
     preset: str | None = field(default="qwen-coder-cpu", metadata={"help": "a named trio (`pyramid-sd models list`)"})
-    target: str | None = field(default=None, metadata={"help": "override the target (Hub id, folder, GGUF file)"})
-    qualifier: str | None = field(default=None, metadata={"help": "override the qualifier"})
-    draft: str | None = field(default=None, metadata={"help": "override the draft: a model, prompt_lookup, ngram (lookup + a standard-library n-gram table) or none"})
-    qualifier_vocab_size: int | None = field(default=None, metadata={
-        "help": "LM head of the qualifier over this many most frequent tokens (lossless, cheaper); 0 = full head; "
-                "default: the preset's"})
-    qualifier_quantization: str | None = field(default=None, metadata={
-        "help": "none, or int8: int8 weights for the qualifier's calls of <= 4 tokens (CPU; lossless, the target "
-                "verifies); default: the preset's"})
     method: str = field(default="psd", metadata={"help": "ar (target alone), sd (qualifier drafts), psd (pyramid)"})
     sd_tokens: int = field(default=5, metadata={"help": "draft length for --method sd"})
     chat: bool = field(default=False, metadata={"help": "wrap the prompt in the tokenizer's chat template"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate"})
-    dtype: str | None = field(default=None, metadata={"help": DTYPE_HELP})
-    cpu_linear: str = field(default="auto", metadata={"help": CPU_LINEAR_HELP})
-    do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
-    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (with --do_sample)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --do_sample)"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off (with --do_sample)"})
     seed: int = field(default=0, metadata={"help": "random seed"})
     json_stats: bool = field(default=False, metadata={"help": "also print the stats as one JSON line"})
 
     def __post_init__(self):
-        check_cpu_linear(self.cpu_linear)
-        check_quantization_flag("qualifier_quantization", self.qualifier_quantization)
+        super().__post_init__()
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
         if self.max_new_tokens < 1 or self.sd_tokens < 1:

@@ -6,8 +6,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..cpu_linear import CPU_LINEAR_HELP, DTYPE_HELP, check_cpu_linear
-from ..quantize import check_quantization_flag
+from ..decoding_args import DecodingArgs
 from .methods import ALL_METHODS, default_grid
 from .runner import GenerationSettings, Prompt, Runner
 from .summary import analytic_speedup, summarize
@@ -72,30 +71,15 @@ def _psd_settings(text: str) -> tuple[tuple, ...]:
 
 
 @dataclass
-class BenchArgs:
+class BenchArgs(DecodingArgs):
     out: str = field(metadata={"help": "output folder for results.json, results.md and speed_quality.png"})
     preset: str = field(default="qwen-coder-cpu", metadata={"help": "a named trio (see `pyramid-sd models list`)"})
-    target: str | None = field(default=None, metadata={"help": "override the preset's target (Hub id, folder, GGUF)"})
-    qualifier: str | None = field(default=None, metadata={"help": "override the preset's qualifier"})
-    draft: str | None = field(default=None, metadata={"help": "override the draft: a model, prompt_lookup, ngram (lookup + a standard-library n-gram table) or none"})
-    qualifier_vocab_size: int | None = field(default=None, metadata={
-        "help": "LM head of the qualifier over this many most frequent tokens (lossless, cheaper); 0 = full head; "
-                "default: the preset's"})
-    qualifier_quantization: str | None = field(default=None, metadata={
-        "help": "none, or int8: int8 weights for the qualifier's calls of <= 4 tokens (CPU; lossless, the target "
-                "verifies); default: the preset's"})
     dataset: str = field(default="humaneval", metadata={"help": "prompt set (humaneval)"})
     split: str = field(default="test", metadata={"help": "humaneval tasks to report on: dev (0-81), test (82-163), all"})
     limit: int | None = field(default=10, metadata={"help": "first N prompts of the split"})
     tune_limit: int = field(default=2, metadata={"help": "dev prompts for the draft-length sweep (0: no sweep)"})
     methods: str = field(default=",".join(ALL_METHODS), metadata={"help": "comma-separated methods to run"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens per completion"})
-    dtype: str | None = field(default=None, metadata={"help": DTYPE_HELP})
-    cpu_linear: str = field(default="auto", metadata={"help": CPU_LINEAR_HELP})
-    do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
-    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (with --do_sample)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --do_sample)"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off (with --do_sample)"})
     seed: int = field(default=0, metadata={"help": "seed (per prompt: seed + task index)"})
     stop_strings: bool = field(default=True, metadata={"help": "stop at HumanEval's end-of-function markers"})
     sd_tokens: str = field(default="3,5,8,8:0.4", metadata={
@@ -110,8 +94,7 @@ class BenchArgs:
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
 
     def __post_init__(self):
-        check_cpu_linear(self.cpu_linear)
-        check_quantization_flag("qualifier_quantization", self.qualifier_quantization)
+        super().__post_init__()
         unknown = sorted(set(self.method_list) - set(ALL_METHODS))
         if unknown:
             raise ValueError(f"unknown methods {unknown}; choose from {list(ALL_METHODS)}")

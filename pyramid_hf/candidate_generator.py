@@ -113,8 +113,8 @@ class PyramidCandidateGenerator(CandidateGenerator):
                 ids.append(token)
                 probs.append(p)
                 cur = torch.cat([cur, token.view(1, 1)], dim=1)
-                if int(token) in self.eos_token_ids:
-                    break
+                if int(token) in self.eos_token_ids or float(p[token]) < self.config.draft_confidence:
+                    break  # an unsure draft stops after this token (its own output only: lossless)
             return (torch.stack(ids), torch.stack(probs)) if ids else (empty, None)
         out_ids, out_logits = self.draft.get_candidates(seq)
         ids = out_ids[0, seq.shape[1] : seq.shape[1] + k].to(seq.device)

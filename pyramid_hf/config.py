@@ -41,6 +41,14 @@ class PyramidConfig:
             "cap. 0 keeps blocks at l_Q. Lossless either way: the length depends only on the qualifier's own output."
         },
     )
+    draft_confidence: float = field(
+        default=0.0,
+        metadata={
+            "help": "Cut a model draft's proposal after a token it gives probability below this (Transformers' "
+            "assistant_confidence_threshold, one level down): fewer draft forwards and narrower qualifier calls where "
+            "the draft is unsure. 0 always proposes l_D. Lossless either way: the cut depends only on the draft's output."
+        },
+    )
     qualifier_rule: str = field(
         default="exact",
         metadata={"help": "Inner-stage rule: 'exact' (lossless), 'assisted' (strict match, PSD_A) or 'fuzzy' (PSD_F)."},
@@ -70,9 +78,10 @@ class PyramidConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.block_confidence, bool) or not isinstance(self.block_confidence, (int, float)) \
-                or not 0.0 <= self.block_confidence < 1.0:
-            raise ValueError(f"block_confidence must be a number in [0, 1), got {self.block_confidence!r}")
+        for name in ("block_confidence", "draft_confidence"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
         if self.qualifier_rule not in RULES:
             raise ValueError(f"qualifier_rule must be one of {sorted(RULES)}, got {self.qualifier_rule!r}")
         if self.target_rule not in TARGET_RULES:

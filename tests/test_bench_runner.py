@@ -130,22 +130,26 @@ def test_two_model_sd_is_cut_at_a_stop_string_inside_its_block(trio):
 def test_grids_parse_trees_adaptive_blocks_and_confidence_cut_sd(trio):
     from pyramid_hf.bench.main import _psd_settings, _sd_settings
 
-    assert _psd_settings("3:4,3:4:4,3:12:4:0.5") == ((3, 4), (3, 4, 4), (3, 12, 4, 0.5))
+    assert _psd_settings("3:4,3:4:4,3:12:4:0.5,3:12:1:0.5:0.3") == ((3, 4), (3, 4, 4), (3, 12, 4, 0.5),
+                                                                    (3, 12, 1, 0.5, 0.3))
     assert _sd_settings("4,12:0.5") == (4, (12, 0.5))
-    for bad in ("3", "3:4:x", "3:4:4:0.5:1"):
+    for bad in ("3", "3:4:x", "3:4:4:0.5:1:2", "3:4:4:0.5:x"):
         with pytest.raises(ValueError, match="psd_grid"):
             _psd_settings(bad)
     for bad in ("0", "4:1.5", "x"):
         with pytest.raises(ValueError, match="sd_tokens"):
             _sd_settings(bad)
     knobs = {"draft_tokens": 2, "qualifier_tokens": 4, "draft_branches": 3, "block_confidence": 0.4}
-    grid = default_grid(trio, knobs, sd_tokens=(2, (8, 0.5)), psd_grid=((2, 4), (2, 4, 1, 0.0), (3, 9, 2, 0.6)))
+    grid = default_grid(trio, knobs, sd_tokens=(2, (8, 0.5)),
+                        psd_grid=((2, 4), (2, 4, 1, 0.0), (3, 9, 2, 0.6), (3, 9, 1, 0.6, 0.3)))
     assert [m.knob_dict for m in grid["psd"]] == [
         {"draft_tokens": 2, "qualifier_tokens": 4, "draft_branches": 3, "block_confidence": 0.4},  # preset's
         {"draft_tokens": 2, "qualifier_tokens": 4},  # explicitly off
-        {"draft_tokens": 3, "qualifier_tokens": 9, "draft_branches": 2, "block_confidence": 0.6}]
+        {"draft_tokens": 3, "qualifier_tokens": 9, "draft_branches": 2, "block_confidence": 0.6},
+        {"draft_tokens": 3, "qualifier_tokens": 9, "block_confidence": 0.6, "draft_confidence": 0.3}]
     config = grid["psd"][2].pyramid_config()
     assert (config.draft_branches, config.block_confidence, config.qualifier_tokens) == (2, 0.6, 9)
+    assert grid["psd"][3].pyramid_config().draft_confidence == 0.3
     assert grid["sd_qualifier"][1].knob_dict == {"num_tokens": 8, "confidence": 0.5}
     kwargs = method_kwargs(grid["sd_qualifier"][1], trio, {})
     assert kwargs["assistant_model"].generation_config.assistant_confidence_threshold == 0.5

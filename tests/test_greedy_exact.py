@@ -172,3 +172,19 @@ def test_block_confidence_is_validated():
     for bad in (1.0, -0.1, True, "0.5"):
         with pytest.raises(ValueError, match="block_confidence"):
             PyramidConfig(block_confidence=bad)
+        with pytest.raises(ValueError, match="draft_confidence"):
+            PyramidConfig(draft_confidence=bad)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("confidence", [0.3, 0.9])
+def test_draft_confidence_stays_exact_and_cuts_proposals(arch, confidence, llama_trio, qwen_trio):
+    target, qualifier, draft = llama_trio if arch == "llama" else qwen_trio
+    ids = _prompt(12, 6)
+    per_round = {}
+    for threshold in (0.0, confidence):
+        assistant = PyramidAssistant(qualifier, draft, PyramidConfig(draft_tokens=4, qualifier_tokens=8,
+                                                                     draft_confidence=threshold))
+        _check(target, assistant, ids, max_new_tokens=40)
+        per_round[threshold] = assistant.stats.draft_proposed / assistant.stats.inner_rounds
+    assert per_round[confidence] < per_round[0.0]  # the unsure draft stopped early

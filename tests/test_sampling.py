@@ -101,13 +101,17 @@ def _ngram_draft():
 
 @pytest.mark.parametrize("rule,draft", [("exact", "model"), ("assisted", "model"), ("exact", "prompt_lookup"),
                                         ("exact", "ngram"), ("exact", None), ("exact", "tree"), ("assisted", "tree"),
-                                        ("exact", "model_adaptive")])
+                                        ("exact", "model_adaptive"), ("exact", "model_cut")])
 def test_sampling_matches_target_distribution(sharp_trio, rule, draft):
     target, qualifier, draft_model = sharp_trio
     branches = 4 if draft == "tree" else 1
     # adaptive blocks: up to 6 qualifier tokens, cut where the qualifier's own confidence falls below 0.5
     blocks = dict(qualifier_tokens=6, block_confidence=0.5) if draft == "model_adaptive" else dict(qualifier_tokens=2)
-    makers = {"model": lambda: draft_model, "model_adaptive": lambda: draft_model, "ngram": _ngram_draft,
+    cut = draft == "model_cut"
+    if cut:  # the draft stops after a sampled token it gave probability < 0.5
+        blocks["draft_confidence"] = 0.5
+    makers = {"model": lambda: draft_model, "model_adaptive": lambda: draft_model, "model_cut": lambda: draft_model,
+              "ngram": _ngram_draft,
               "tree": _BranchingDraft}
     draft = makers[draft]() if draft in makers else draft  # "prompt_lookup" and None are drafts as they are
     assistant = PyramidAssistant(qualifier, draft,
@@ -115,6 +119,8 @@ def test_sampling_matches_target_distribution(sharp_trio, rule, draft):
     pvals = _pvalues(_samples(target, assistant), _target_joint(target))
     assert min(pvals) > 1e-3, pvals
     assert assistant.total_stats.qualifier_accepted > 0 and assistant.total_stats.target_calls > SAMPLES
+    if cut:  # proposals were really cut short, not all l_D long
+        assert assistant.total_stats.draft_proposed < 2 * assistant.total_stats.inner_rounds
     if isinstance(draft, _BranchingDraft):  # the draft trees were really walked, and not only along their first branch
         assert assistant.total_stats.tree_rounds > SAMPLES and assistant.total_stats.tree_other_branch_won > 0
 

@@ -53,7 +53,7 @@ def _pairs(text: str, name: str, cast) -> tuple[tuple, ...]:
 
 
 def _psd_settings(text: str) -> tuple[tuple, ...]:
-    """l_D:l_Q[:branches[:block_confidence]] items, comma-separated."""
+    """l_D:l_Q[:branches[:block_confidence[:draft_confidence]]] items, comma-separated."""
     settings = []
     for item in (i for i in text.split(",") if i.strip()):
         fields = item.split(":")
@@ -61,9 +61,10 @@ def _psd_settings(text: str) -> tuple[tuple, ...]:
             setting = tuple(int(v) for v in fields[:3]) + tuple(float(v) for v in fields[3:])
         except ValueError:
             setting = ()
-        if not 2 <= len(setting) <= 4 or len(fields) > 4:
-            raise ValueError(f"--psd_grid items must look like l_D:l_Q, l_D:l_Q:branches or "
-                             f"l_D:l_Q:branches:block_confidence, got {item!r}")
+        if not 2 <= len(setting) <= 5 or len(fields) > 5:
+            raise ValueError(f"--psd_grid items must look like l_D:l_Q, l_D:l_Q:branches, "
+                             f"l_D:l_Q:branches:block_confidence or l_D:l_Q:branches:block_confidence:draft_confidence,"
+                             f" got {item!r}")
         settings.append(setting)
     if not settings:
         raise ValueError("--psd_grid is empty")
@@ -88,7 +89,9 @@ class BenchArgs(DecodingArgs):
     lookup_tokens: str = field(default="4,10", metadata={"help": "draft lengths swept for prompt lookup"})
     psd_grid: str | None = field(default=None, metadata={
         "help": "settings swept for psd and psd_a: l_D:l_Q, or l_D:l_Q:branches (draft trees), or "
-                "l_D:l_Q:branches:block_confidence (adaptive l_Q); default: the preset's"})
+                "l_D:l_Q:branches:block_confidence (adaptive l_Q), or "
+                "l_D:l_Q:branches:block_confidence:draft_confidence (a model draft cut where unsure); default: the "
+                "preset's"})
     tau_grid: str = field(default="0.1:0.05,0.2:0.1,0.3:0.2", metadata={"help": "tau_T:tau_Q pairs for psd_f"})
     check_timeout_s: float = field(default=10.0, metadata={"help": "time limit of each unit-test run"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})

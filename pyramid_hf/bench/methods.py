@@ -61,7 +61,8 @@ class Method:
         knobs = self.knob_dict
         common = dict(draft_tokens=knobs.get("draft_tokens", 4), qualifier_tokens=knobs.get("qualifier_tokens", 8),
                       draft_branches=knobs.get("draft_branches", 1),
-                      block_confidence=knobs.get("block_confidence", 0.0), divergence=knobs.get("divergence", "js"))
+                      block_confidence=knobs.get("block_confidence", 0.0),
+                      draft_confidence=knobs.get("draft_confidence", 0.0), divergence=knobs.get("divergence", "js"))
         if self.method == "psd":
             return PyramidConfig(**common)
         tau_target = float(knobs.get("tau_target", 0.0))
@@ -116,16 +117,16 @@ def default_grid(trio: Trio, knobs: dict, sd_tokens=(3, 5, 8), lookup_tokens=(4,
     """Candidate settings per method family; the bench keeps each family's best on the tuning prompts.
 
     ``knobs`` are the preset's tuned PyramidConfig values (draft_tokens, qualifier_tokens, draft_branches,
-    block_confidence, taus).
+    block_confidence, draft_confidence, taus).
     ``tau_grid`` holds (tau_target, tau_qualifier) pairs for psd_f (tau_qualifier <= tau_target works best).
     """
     l_d, l_q = knobs.get("draft_tokens", 4), knobs.get("qualifier_tokens", 8)
-    defaults = (knobs.get("draft_branches", 1), knobs.get("block_confidence", 0.0))
+    defaults = (knobs.get("draft_branches", 1), knobs.get("block_confidence", 0.0), knobs.get("draft_confidence", 0.0))
 
-    def pyramid_knobs(setting) -> dict:  # (l_D, l_Q[, draft branches[, block confidence]]); defaults stay unnamed
-        d, q, b, c = (*setting, *defaults[len(setting) - 2 :])
+    def pyramid_knobs(setting) -> dict:  # (l_D, l_Q[, branches[, block confidence[, draft confidence]]]); defaults unnamed
+        d, q, b, c, dc = (*setting, *defaults[len(setting) - 2 :])
         return {"draft_tokens": d, "qualifier_tokens": q} | ({"draft_branches": b} if b != 1 else {}) \
-            | ({"block_confidence": c} if c else {})
+            | ({"block_confidence": c} if c else {}) | ({"draft_confidence": dc} if dc else {})
 
     psd_grid = psd_grid or [(l_d, l_q)]
     grid = {

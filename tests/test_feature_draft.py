@@ -112,6 +112,27 @@ def test_greedy_output_equals_target_alone(arch, seed, prompt_len, new, l_d, l_q
 
 
 @pytest.mark.parametrize("arch,seed", [("llama", 0), ("qwen2", 1)])
+def test_greedy_output_equals_target_alone_with_a_draft_confidence_cut(arch, seed):
+    """Cut proposals leave the feature draft's cache holding fewer of its own predictions: still exact."""
+    target = tiny_model(arch, 48, 2, seed=seed + 10)
+    qualifier = token_local(tiny_model(arch, 32, 1, seed=seed, init=0.3))
+    draft = perfect_draft(qualifier)
+    with torch.no_grad():
+        draft.fc.weight[:, : draft.hidden_size].normal_(0, 0.3 / 32**0.5)
+    torch.manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (1, 6))
+    want = target.generate(input_ids=ids, max_new_tokens=40, do_sample=False)
+    per_round = {}
+    for confidence in (0.0, 0.9):
+        assistant = PyramidAssistant(qualifier, draft, PyramidConfig(draft_tokens=4, qualifier_tokens=8,
+                                                                     draft_confidence=confidence))
+        got = target.generate(input_ids=ids, max_new_tokens=40, do_sample=False, assistant_model=assistant)
+        assert torch.equal(got, want)
+        per_round[confidence] = assistant.stats.draft_proposed / assistant.stats.inner_rounds
+    assert per_round[0.9] < per_round[0.0]
+
+
+@pytest.mark.parametrize("arch,seed", [("llama", 0), ("qwen2", 1)])
 def test_greedy_output_equals_target_alone_with_fused_layers(arch, seed):
     target = tiny_model(arch, 48, 2, seed=seed + 10)
     qualifier = tiny_model(arch, 32, 3, seed=seed, init=0.3)

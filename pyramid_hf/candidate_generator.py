@@ -62,6 +62,9 @@ class PyramidCandidateGenerator(CandidateGenerator):
         stats: PyramidStats,
         attention_mask: torch.Tensor | None = None,
     ):
+        if config.draft_confidence and not isinstance(draft, (ModelLevel, FeatureDraftLevel)):
+            raise ValueError(f"draft_confidence={config.draft_confidence} cuts a model draft's proposals by its own "
+                             f"probabilities; this pyramid's draft is {type(draft).__name__}: set draft_confidence=0")
         self.qualifier = qualifier
         self.draft = draft
         self.config = config

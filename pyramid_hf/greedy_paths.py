@@ -9,13 +9,10 @@ appended. The writer is named by its source (Hub id or folder): if the model beh
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger("pyramid_hf")
 
 
 class GreedyPaths:

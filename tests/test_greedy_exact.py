@@ -188,3 +188,11 @@ def test_draft_confidence_stays_exact_and_cuts_proposals(arch, confidence, llama
         _check(target, assistant, ids, max_new_tokens=40)
         per_round[threshold] = assistant.stats.draft_proposed / assistant.stats.inner_rounds
     assert per_round[confidence] < per_round[0.0]  # the unsure draft stopped early
+
+
+@pytest.mark.parametrize("draft_kind", ["prompt_lookup", None])
+def test_draft_confidence_without_a_model_draft_is_refused(draft_kind, llama_trio):
+    target, qualifier, _ = llama_trio
+    assistant = PyramidAssistant(qualifier, draft_kind, PyramidConfig(draft_tokens=2, draft_confidence=0.5))
+    with pytest.raises(ValueError, match="draft_confidence=0.5 cuts a model draft's proposals"):
+        target.generate(input_ids=_prompt(3, 5), max_new_tokens=8, do_sample=False, assistant_model=assistant)

@@ -8,7 +8,8 @@ feature) toward the qualifier's, and a smooth-L1 term pulls the predicted featur
 features predicted in pass s - 1 (the real one at the first position) and is scored against the same targets.
 The loss runs over the qualifier's reduced vocabulary when ``vocab_size`` is set (the head the pyramid uses).
 The qualifier's forward is most of a step's cost; with ``cache_features`` its hidden states are kept per block
-after the first epoch, so later epochs over the same text cost only the draft's passes.
+after their first read (`pyramid_hf.feature_store`), so later epochs over the same text cost only the draft's passes,
+and with ``feature_cache_dir`` later runs over the same text too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.nn import functional as F
 
 from .cpu_linear import check_cpu_linear
 from .feature_draft import FeatureDraft
+from .feature_store import FeatureStore
 
 logger = logging.getLogger("pyramid_hf")
 
@@ -60,6 +62,10 @@ class FeatureDraftArguments:
     cache_features: bool = field(default=False, metadata={
         "help": "keep the frozen qualifier's hidden states of every block after its first read, so later epochs "
                 "skip the qualifier's forward (memory: blocks x block_size x hidden size x 2 or 4 bytes, on CPU)"})
+    feature_cache_dir: str | None = field(default=None, metadata={
+        "help": "keep those states in memory-mapped files under this folder instead of memory (implies "
+                "cache_features), one subfolder per qualifier, feature layers and text: later runs over the same "
+                "text (a continued draft, another schedule) start at the cached speed"})
 
     def __post_init__(self):
         check_cpu_linear(self.cpu_linear)
@@ -71,6 +77,8 @@ class FeatureDraftArguments:
             raise ValueError(f"feature_loss_weight must be >= 0, got {self.feature_loss_weight}")
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ValueError(f"vocab_size must be at least 2 (or None for the full vocabulary), got {self.vocab_size}")
+        if self.feature_cache_dir:
+            self.cache_features = True
 
 
 class FeatureDistillation(nn.Module):
@@ -78,15 +86,14 @@ class FeatureDistillation(nn.Module):
     so checkpoints hold only the draft."""
 
     def __init__(self, draft: FeatureDraft, qualifier, head_weight: torch.Tensor, feature_loss_weight: float = 0.1,
-                 unroll_steps: int = 2, cache_features: bool = False):
+                 unroll_steps: int = 2, feature_store: FeatureStore | None = None):
         super().__init__()
         self.draft = draft
         object.__setattr__(self, "qualifier", qualifier.eval().requires_grad_(False))  # not a submodule
         self.register_buffer("head_weight", head_weight.detach().clone(), persistent=False)  # (K, H)
         self.feature_loss_weight = feature_loss_weight
         self.unroll_steps = unroll_steps
-        # block index -> (selected states (T, k * H), final state (T, H))
-        self.feature_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if cache_features else None
+        self.feature_store = feature_store  # block index -> (selected states (T, k * H), final state (T, H))
 
     @torch.no_grad()
     def _qualifier_features(self, input_ids, attention_mask):
@@ -101,21 +108,17 @@ class FeatureDistillation(nn.Module):
     @torch.no_grad()
     def _qualifier_states(self, input_ids, attention_mask, block_index=None):
         """The qualifier's states (those the draft reads, and the final ones) and its input embeddings of
-        ``input_ids``; with a feature cache and the blocks' dataset indices, read from the cache where every block of
-        the batch was seen before."""
+        ``input_ids``; with a feature store and the blocks' dataset indices, read from the store where every block of
+        the batch was read before."""
         embeds = self.qualifier.get_input_embeddings()(input_ids)
-        if self.feature_cache is None or block_index is None:
+        if self.feature_store is None or block_index is None:
             return self._qualifier_features(input_ids, attention_mask), embeds
         keys = [int(i) for i in block_index]
-        if all(k in self.feature_cache for k in keys):
-            selected, final = (torch.stack([self.feature_cache[k][part] for k in keys]).to(input_ids.device)
-                               for part in (0, 1))
-            return (selected, final), embeds
+        stored = self.feature_store.get(keys)
+        if stored is not None:
+            return tuple(states.to(input_ids.device) for states in stored), embeds
         selected, final = self._qualifier_features(input_ids, attention_mask)
-        same = selected is final  # a one-state draft reads the final state itself: keep one copy
-        for k, row, final_row in zip(keys, selected, final, strict=True):
-            kept = row.detach().to("cpu", copy=True)
-            self.feature_cache[k] = (kept, kept if same else final_row.detach().to("cpu", copy=True))
+        self.feature_store.put(keys, selected, final)
         return (selected, final), embeds
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -198,8 +201,7 @@ def build_module(args: FeatureDraftArguments, qualifier, tokenizer) -> FeatureDi
     if args.vocab_size and args.vocab_size < head.weight.shape[0] and not isinstance(head, ReducedVocabHead):
         reduce_loaded_vocab(qualifier, tokenizer, args.vocab_size, cache_root())
         head = qualifier.get_output_embeddings()
-    return FeatureDistillation(draft, qualifier, head.weight, args.feature_loss_weight, args.unroll_steps,
-                               args.cache_features)
+    return FeatureDistillation(draft, qualifier, head.weight, args.feature_loss_weight, args.unroll_steps)
 
 
 def _save_draft(module: FeatureDistillation, folder: Path, args: FeatureDraftArguments, step: int, tokenizer) -> Path:
@@ -247,6 +249,8 @@ def train(args: FeatureDraftArguments, training_args, *, qualifier=None, tokeniz
     if not blocks:
         raise ValueError(f"no {args.block_size}-token block in the training text {args.texts!r}")
     logger.info("feature draft: %d blocks of %d tokens from %s", len(blocks), args.block_size, args.texts)
+    if args.cache_features:
+        module.feature_store = FeatureStore.for_draft(module.draft, qualifier, blocks, args.feature_cache_dir)
     training_args.remove_unused_columns = False
 
     class SaveDraftFolders(TrainerCallback):  # every checkpoint also as a loadable draft folder, for the curve

@@ -17,6 +17,7 @@ from trl import TrlParser
 
 from pyramid_hf import FeatureDraft
 from pyramid_hf.eval_acceptance import EvalAcceptanceArgs, measure
+from pyramid_hf.feature_store import FeatureStore
 from pyramid_hf.feature_train import FeatureDistillation, FeatureDraftArguments, build_module, train
 from pyramid_hf.testing import VOCAB, tiny_model, tiny_tokenizer
 
@@ -67,26 +68,30 @@ def test_the_loss_falls_on_a_fixed_batch(feature_layers):
     assert (module.draft.fuse is not None) == (len(feature_layers) > 1)
 
 
-@pytest.mark.parametrize("feature_layers", [[-1], [0, -1]])
-def test_cached_qualifier_states_give_the_same_loss_without_a_second_qualifier_forward(feature_layers):
+@pytest.mark.parametrize("feature_layers", [[-1], [0, -1], [0, 1]])
+@pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "folder"])
+def test_stored_qualifier_states_give_the_same_loss_without_a_second_qualifier_forward(feature_layers, on_disk,
+                                                                                      tmp_path):
     qualifier = tiny_model("qwen2", 32, 2, init=0.3)
     args = FeatureDraftArguments(vocab_size=None, cache_features=True, feature_layers=feature_layers)
     module = build_module(args, qualifier, tiny_tokenizer())
+    blocks = torch.randint(3, VOCAB, (10, 16), generator=torch.Generator().manual_seed(0))
+    module.feature_store = FeatureStore.for_draft(module.draft, qualifier, blocks.tolist(),
+                                                  tmp_path if on_disk else None)
     plain = FeatureDistillation(module.draft, qualifier, qualifier.lm_head.weight, 0.1, 2)
-    batch = torch.randint(3, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
     index = torch.tensor([4, 0, 7])
     calls = []
     qualifier.register_forward_hook(lambda *_: calls.append(1))
-    first = module(batch, block_index=index)["loss"]
-    assert len(calls) == 1 and sorted(module.feature_cache) == [0, 4, 7]
-    selected, final = module.feature_cache[4]
-    assert (selected is final) == (feature_layers == [-1])  # a one-state draft's cache holds one copy
-    second = module(batch[[1, 0]], block_index=index[[1, 0]])["loss"]  # seen blocks, another order: no forward
+    first = module(blocks[index], block_index=index)["loss"]
+    assert len(calls) == 1 and module.feature_store.stored_blocks() == [0, 4, 7]
+    # the final state is stored apart only when the draft does not read it itself
+    assert (module.feature_store.final is None) == (-1 in feature_layers)
+    second = module(blocks[index[[1, 0]]], block_index=index[[1, 0]])["loss"]  # read blocks, another order
     assert len(calls) == 1
-    torch.testing.assert_close(second, plain(batch[[1, 0]])["loss"], rtol=0, atol=0)
-    torch.testing.assert_close(first, plain(batch)["loss"], rtol=0, atol=0)
-    module(torch.cat([batch[:1], batch[:1]]), block_index=torch.tensor([4, 9]))  # one new block: a forward
-    assert len(calls) == 4 and 9 in module.feature_cache
+    torch.testing.assert_close(second, plain(blocks[index[[1, 0]]])["loss"], rtol=0, atol=0)
+    torch.testing.assert_close(first, plain(blocks[index])["loss"], rtol=0, atol=0)
+    module(blocks[[4, 9]], block_index=torch.tensor([4, 9]))  # one new block: a forward
+    assert len(calls) == 4 and module.feature_store.stored_blocks() == [0, 4, 7, 9]
 
 
 def test_a_perfect_draft_has_zero_kl():

@@ -18,7 +18,14 @@ from trl import TrlParser
 from pyramid_hf import FeatureDraft
 from pyramid_hf.eval_acceptance import EvalAcceptanceArgs, measure
 from pyramid_hf.feature_store import FeatureStore
-from pyramid_hf.feature_train import FeatureDistillation, FeatureDraftArguments, build_module, train
+from pyramid_hf.feature_train import (
+    FeatureDistillation,
+    FeatureDraftArguments,
+    build_module,
+    kl_to_teacher,
+    teacher_distribution,
+    train,
+)
 from pyramid_hf.testing import VOCAB, tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +99,41 @@ def test_stored_qualifier_states_give_the_same_loss_without_a_second_qualifier_f
     torch.testing.assert_close(first, plain(blocks[index])["loss"], rtol=0, atol=0)
     module(blocks[[4, 9]], block_index=torch.tensor([4, 9]))  # one new block: a forward
     assert len(calls) == 4 and module.feature_store.stored_blocks() == [0, 4, 7, 9]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_fused_kl_equals_the_log_softmax_form_in_value_and_gradient(dtype):
+    gen = torch.Generator().manual_seed(0)
+    teacher_logits = 3 * torch.randn(3, 50, 300, generator=gen, dtype=torch.float64)  # 150 rows: chunks of 64 + 22
+    draft_logits = (3 * torch.randn(3, 50, 300, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    weights = torch.rand(3, 50, generator=gen, dtype=torch.float64)
+    probs, neg_entropy = teacher_distribution(teacher_logits)
+    fused = kl_to_teacher(draft_logits, probs, neg_entropy)
+    (fused * weights).sum().backward()
+    reference_logits = draft_logits.detach().double().requires_grad_()
+    teacher_logp = torch.log_softmax(teacher_logits, -1)
+    reference = (teacher_logp.exp() * (teacher_logp - torch.log_softmax(reference_logits, -1))).sum(-1)
+    (reference * weights).sum().backward()
+    assert fused.shape == (3, 50) and draft_logits.grad.dtype == dtype
+    torch.testing.assert_close(fused.double(), reference, rtol=1e-5, atol=1e-5)
+    tolerance = 1e-6 if dtype == torch.float64 else 4e-3
+    torch.testing.assert_close(draft_logits.grad.double(), reference_logits.grad, rtol=0, atol=tolerance)
+    assert reference_logits.grad.abs().max() > 0.05  # the gradient compared is not vanishing
+
+
+def test_bf16_autocast_training_reads_the_bf16_head_as_it_is_and_matches_float32():
+    qualifier = tiny_model("qwen2", 32, 2, init=0.3)
+    draft = FeatureDraft.from_qualifier(qualifier).float().train()
+    batch = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    reference = FeatureDistillation(draft, qualifier.bfloat16(), qualifier.lm_head.weight.float(), 0.1, 2)(batch)
+    module = FeatureDistillation(draft, qualifier, qualifier.lm_head.weight, 0.1, 2)
+    assert module.head_weight.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = module(batch)["loss"]
+    loss.backward()
+    trained = [p for name, p in draft.named_parameters() if "embed_tokens" not in name]  # the layer's unused table
+    assert all(p.grad is not None and bool(p.grad.isfinite().all()) for p in trained)
+    torch.testing.assert_close(loss.float(), reference["loss"].float(), rtol=0.05, atol=0.02)
 
 
 def test_a_perfect_draft_has_zero_kl():

@@ -28,7 +28,8 @@ class WriteCompletionsArgs:
     model: str = field(metadata={"help": "the model that writes (Hub id, local folder, GGUF): the qualifier whose "
                                          "text a draft will predict"})
     out: str = field(metadata={"help": "JSONL file to write (appended to when it exists: the run resumes)"})
-    prompts: str = field(default="stdlib-code", metadata={"help": "'stdlib-code' (offline) or a Hub / saved dataset"})
+    prompts: str = field(default="stdlib-code", metadata={"help": "'stdlib-code' or 'site-packages-code' (offline "
+                                                                  "builders) or a Hub / saved dataset"})
     prompt_column: str = field(default="prompt", metadata={"help": "column of a Hub dataset holding the prompt"})
     limit: int | None = field(default=None, metadata={"help": "complete at most this many prompts"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens per completion (fewer at EOS)"})

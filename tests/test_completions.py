@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pyramid_hf.cli import main
-from pyramid_hf.completions import WriteCompletionsArgs, read_completions, write_completions
+from pyramid_hf.completions import WriteCompletionsArgs, batching_order, read_completions, write_completions
 from pyramid_hf.feature_train import FeatureDraftArguments, load_texts
 from pyramid_hf.testing import tiny_model, tiny_tokenizer
 
@@ -21,6 +21,15 @@ def _greedy_alone(model, tokenizer, prompt, max_new_tokens):
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_prompts_are_sorted_by_length_only_within_windows():
+    lengths = [5, 1, 9, 3, 8, 2, 7]
+    order = batching_order(lengths, window=3)
+    assert sorted(order) == list(range(7))  # every prompt once
+    assert order == [1, 0, 2, 5, 3, 4, 6]  # windows {0,1,2} {3,4,5} {6}, each shortest first
+    assert batching_order(lengths, window=100) == sorted(range(7), key=lambda i: lengths[i])
+    assert batching_order([], window=4) == []
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

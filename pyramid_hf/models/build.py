@@ -1,6 +1,6 @@
 """One-command rebuilds of the drafts this project trains itself (the presets whose draft is a local folder).
 
-    pyramid-sd models build qwen-coder-cpu-feature            # ~80 min on 2 AMX CPU cores; resumable
+    pyramid-sd models build qwen-coder-cpu-feature            # ~8 h on 2 CPU cores; resumable
     pyramid-sd models build qwen-coder-cpu-feature --dry_run  # print the plan
 
 A plan is the list of documented commands of recipes/README.md (fetch, train, write completions, train again,
@@ -50,32 +50,61 @@ def _publish(model: str, results: str, out: str, recipe: str) -> BuildStep:
     ), "{cache}/" + out + "/README.md")
 
 
-def _eval(student: str, out: str) -> BuildStep:
+def _eval(student: str, out: str, limit: int = 10) -> BuildStep:
     return BuildStep("measure acceptance on HumanEval test prompts", (
-        "pyramid-sd", "eval-acceptance", "--preset", "", "--student", student, "--teacher", QUALIFIER, "--limit", "10",
-        "--max_new_tokens", "64", "--draft_tokens", "4", "--out", out), out + "/acceptance.json")
+        "pyramid-sd", "eval-acceptance", "--preset", "", "--student", student, "--teacher", QUALIFIER, "--limit",
+        str(limit), "--max_new_tokens", "64", "--draft_tokens", "4", "--out", out), out + "/acceptance.json")
+
+
+def _completions(name: str, out: str, *extra: str) -> BuildStep:
+    """The 0.5B's greedy completions (resumes by itself: lines already written are kept)."""
+    return BuildStep(name, ("pyramid-sd", "write-completions", "--model", QUALIFIER, *extra, "--max_new_tokens", "128",
+                            "--out", out))
+
+
+def _feature_run(name: str, recipe: str, output_dir: str, *overrides: str) -> BuildStep:
+    return BuildStep(name, (*CPU, "training/train_feature_draft.py", "--config", recipe, *overrides),
+                     f"{output_dir}/final/feature_draft.json")
 
 
 _FEATURE = "runs/qwen-coder-cpu-feature"
-_COMPLETIONS = "runs/completions/qwen-coder-0.5b-stdlib.jsonl"
+_FUSED = "recipes/qwen-coder-cpu-distilled/feature_draft_fused_layers.yaml"
+_SITE_PACKAGES_2 = "recipes/qwen-coder-cpu-distilled/feature_draft_site_packages_2.yaml"
+_CONTINUE = ("--learning_rate", "3e-4", "--warmup_steps", "10")  # each continuation restarts a short cosine schedule
 _DISTILLED = "runs/qwen-coder-cpu-distilled"
 
 PLANS: dict[str, list[BuildStep]] = {
+    # The chain of recipes/README.md that made the best draft (2.2-2.3 tokens per 0.5B call at l=4): the three-state
+    # draft on the 0.5B's completions of every standard-library prompt, continued with three unrolled passes, then on
+    # its completions of two samples of third-party-package prompts. ~8 h on a 2-core Zen 4 (the times in the names).
     "qwen-coder-cpu-feature": [
         BuildStep("fetch the offline models", ("pyramid-sd", "models", "fetch", "qwen-coder-cpu")),
-        BuildStep("stage 1: feature draft on standard-library code (~36 min)", (
-            *CPU, "training/train_feature_draft.py", "--config", "recipes/qwen-coder-cpu-distilled/feature_draft.yaml",
-        ), f"{_FEATURE}/draft/final/feature_draft.json"),
-        BuildStep("the 0.5B's own completions of 1536 standard-library prompts (~17 min)", (
-            "pyramid-sd", "write-completions", "--model", QUALIFIER, "--prompts", "stdlib-code", "--limit", "1536",
-            "--max_new_tokens", "128", "--out", _COMPLETIONS)),
-        BuildStep("stage 2: the feature draft on those completions (~21 min)", (
-            *CPU, "training/train_feature_draft.py", "--config",
-            "recipes/qwen-coder-cpu-distilled/feature_draft_on_policy.yaml",
-        ), f"{_FEATURE}/draft-on-policy/final/feature_draft.json"),
-        _eval(f"{_FEATURE}/draft-on-policy/final", f"{_FEATURE}/acceptance"),
-        _publish(f"{_FEATURE}/draft-on-policy/final", f"{_FEATURE}/acceptance/acceptance.json",
-                 "qwen-coder-cpu-feature/draft", "recipes/qwen-coder-cpu-distilled/feature_draft_on_policy.yaml"),
+        _completions("the 0.5B's completions of every standard-library prompt (~57 min)",
+                     "runs/completions/qwen-coder-0.5b-stdlib-all.jsonl", "--prompts", "stdlib-code"),
+        _feature_run("the three-state draft, 300 steps (~28 min)", _FUSED, f"{_FEATURE}/draft-fused-layers"),
+        _feature_run("300 steps more (~28 min)", _FUSED, f"{_FEATURE}/draft-fused-layers-2", "--init_from",
+                     f"{_FEATURE}/draft-fused-layers/final", *_CONTINUE, "--seed", "1", "--output_dir",
+                     f"{_FEATURE}/draft-fused-layers-2"),
+        _feature_run("900 steps more, three unrolled passes, the 0.5B's states stored (~65 min)", _FUSED,
+                     f"{_FEATURE}/draft-fused-long", "--init_from", f"{_FEATURE}/draft-fused-layers-2/final",
+                     *_CONTINUE, "--seed", "2", "--max_steps", "900", "--unroll_steps", "3", "--feature_cache_dir",
+                     "runs/feature-cache", "--save_steps", "100", "--output_dir", f"{_FEATURE}/draft-fused-long"),
+        _feature_run("1200 steps more on the stored states (~55 min)", _FUSED, f"{_FEATURE}/draft-fused-long2",
+                     "--init_from", f"{_FEATURE}/draft-fused-long/final", *_CONTINUE, "--seed", "3", "--max_steps",
+                     "1200", "--unroll_steps", "3", "--feature_cache_dir", "runs/feature-cache", "--save_steps", "150",
+                     "--output_dir", f"{_FEATURE}/draft-fused-long2"),
+        _completions("the 0.5B's completions of 3500 third-party-package prompts (~85 min)",
+                     "runs/completions/qwen-coder-0.5b-site-packages-3500.jsonl", "--prompts", "site-packages-code",
+                     "--limit", "3500"),
+        _feature_run("600 steps on that text (~47 min)", "recipes/qwen-coder-cpu-distilled/feature_draft_site_packages.yaml",
+                     f"{_FEATURE}/draft-site-packages"),
+        _completions("the 0.5B's completions of another 3500 (~85 min)",
+                     "runs/completions/qwen-coder-0.5b-site-packages-seed1-3500.jsonl", "--prompts",
+                     "site-packages-code", "--limit", "3500", "--seed", "1"),
+        _feature_run("600 steps on that text (~50 min)", _SITE_PACKAGES_2, f"{_FEATURE}/draft-site-packages-2"),
+        _eval(f"{_FEATURE}/draft-site-packages-2/final", f"{_FEATURE}/acceptance", limit=30),
+        _publish(f"{_FEATURE}/draft-site-packages-2/final", f"{_FEATURE}/acceptance/acceptance.json",
+                 "qwen-coder-cpu-feature/draft", _SITE_PACKAGES_2),
     ],
     "qwen-coder-cpu-distilled": [
         BuildStep("fetch the offline models", ("pyramid-sd", "models", "fetch", "qwen-coder-cpu")),

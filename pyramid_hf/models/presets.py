@@ -101,8 +101,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "EAGLE-style; built by a recipe)", _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
            _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
            ModelSpec(None, local_dir=_FEATURE_DRAFT,
-                     build_hint="build it with `pyramid-sd models build qwen-coder-cpu-feature` (~80 min on 2 AMX CPU "
-                                "cores; recipes/README.md)"),
+                     build_hint="build it with `pyramid-sd models build qwen-coder-cpu-feature` (~8 h on 2 CPU cores, "
+                                "resumable; recipes/README.md)"),
            {"draft_tokens": 4, "qualifier_tokens": 8}, qualifier_vocab_size=32768),
 ]}
 

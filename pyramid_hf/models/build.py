@@ -63,18 +63,24 @@ def _completions(name: str, out: str, *extra: str) -> BuildStep:
 
 
 def _feature_run(name: str, recipe: str, output_dir: str, *overrides: str) -> BuildStep:
+    """A feature-draft recipe as written (``output_dir``: the recipe's own)."""
     return BuildStep(name, (*CPU, "training/train_feature_draft.py", "--config", recipe, *overrides),
                      f"{output_dir}/final/feature_draft.json")
+
+
+def _continued(name: str, recipe: str, init_from: str, output_dir: str, seed: int, *overrides: str) -> BuildStep:
+    """``recipe`` run again from ``init_from``'s final draft into ``output_dir``, on a fresh short schedule."""
+    return _feature_run(name, recipe, output_dir, "--init_from", f"{init_from}/final", "--learning_rate", "3e-4",
+                        "--warmup_steps", "10", "--seed", str(seed), *overrides, "--output_dir", output_dir)
 
 
 _FEATURE = "runs/qwen-coder-cpu-feature"
 _FUSED = "recipes/qwen-coder-cpu-distilled/feature_draft_fused_layers.yaml"
 _SITE_PACKAGES_2 = "recipes/qwen-coder-cpu-distilled/feature_draft_site_packages_2.yaml"
-_CONTINUE = ("--learning_rate", "3e-4", "--warmup_steps", "10")  # each continuation restarts a short cosine schedule
 _DISTILLED = "runs/qwen-coder-cpu-distilled"
 
 PLANS: dict[str, list[BuildStep]] = {
-    # The chain of recipes/README.md that made the best draft (2.2-2.3 tokens per 0.5B call at l=4): the three-state
+    # The chain of recipes/README.md that made the best draft (2.35 tokens per 0.5B call at l=4): the three-state
     # draft on the 0.5B's completions of every standard-library prompt, continued with three unrolled passes, then on
     # its completions of two samples of third-party-package prompts. ~8 h on a 2-core Zen 4 (the times in the names).
     "qwen-coder-cpu-feature": [
@@ -82,17 +88,14 @@ PLANS: dict[str, list[BuildStep]] = {
         _completions("the 0.5B's completions of every standard-library prompt (~57 min)",
                      "runs/completions/qwen-coder-0.5b-stdlib-all.jsonl", "--prompts", "stdlib-code"),
         _feature_run("the three-state draft, 300 steps (~28 min)", _FUSED, f"{_FEATURE}/draft-fused-layers"),
-        _feature_run("300 steps more (~28 min)", _FUSED, f"{_FEATURE}/draft-fused-layers-2", "--init_from",
-                     f"{_FEATURE}/draft-fused-layers/final", *_CONTINUE, "--seed", "1", "--output_dir",
-                     f"{_FEATURE}/draft-fused-layers-2"),
-        _feature_run("900 steps more, three unrolled passes, the 0.5B's states stored (~65 min)", _FUSED,
-                     f"{_FEATURE}/draft-fused-long", "--init_from", f"{_FEATURE}/draft-fused-layers-2/final",
-                     *_CONTINUE, "--seed", "2", "--max_steps", "900", "--unroll_steps", "3", "--feature_cache_dir",
-                     "runs/feature-cache", "--save_steps", "100", "--output_dir", f"{_FEATURE}/draft-fused-long"),
-        _feature_run("1200 steps more on the stored states (~55 min)", _FUSED, f"{_FEATURE}/draft-fused-long2",
-                     "--init_from", f"{_FEATURE}/draft-fused-long/final", *_CONTINUE, "--seed", "3", "--max_steps",
-                     "1200", "--unroll_steps", "3", "--feature_cache_dir", "runs/feature-cache", "--save_steps", "150",
-                     "--output_dir", f"{_FEATURE}/draft-fused-long2"),
+        _continued("300 steps more (~28 min)", _FUSED, f"{_FEATURE}/draft-fused-layers",
+                   f"{_FEATURE}/draft-fused-layers-2", 1),
+        _continued("900 steps more, three unrolled passes, the 0.5B's states stored (~65 min)", _FUSED,
+                   f"{_FEATURE}/draft-fused-layers-2", f"{_FEATURE}/draft-fused-long", 2, "--max_steps", "900",
+                   "--unroll_steps", "3", "--feature_cache_dir", "runs/feature-cache", "--save_steps", "100"),
+        _continued("1200 steps more on the stored states (~55 min)", _FUSED, f"{_FEATURE}/draft-fused-long",
+                   f"{_FEATURE}/draft-fused-long2", 3, "--max_steps", "1200", "--unroll_steps", "3",
+                   "--feature_cache_dir", "runs/feature-cache", "--save_steps", "150"),
         _completions("the 0.5B's completions of 3500 third-party-package prompts (~85 min)",
                      "runs/completions/qwen-coder-0.5b-site-packages-3500.jsonl", "--prompts", "site-packages-code",
                      "--limit", "3500"),

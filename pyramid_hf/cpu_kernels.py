@@ -160,17 +160,6 @@ def native_bf16(device="cpu") -> bool:
     return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
-def median_ms(fn, x: torch.Tensor, repeats: int) -> float:
-    """Median wall time of ``fn(x)`` in ms over ``repeats`` calls, after one warm-up call."""
-    fn(x)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1000
-
-
 def cache_bytes() -> int:
     """The CPU's last-level cache in bytes (Linux sysfs; 32 MiB where unknown)."""
     sizes = []
@@ -208,15 +197,26 @@ def cold(fn, *tensors):
 @torch.no_grad()
 def time_kernels(kernels: dict, in_features: int, dtype: torch.dtype, rows=CALIBRATION_ROWS, repeats: int = 5,
                  stop_when=None, max_rows: dict | None = None) -> dict[str, list[float]]:
-    """Median ms of each of ``kernels`` (name -> fn(x2d)) at each width of ``rows``, interleaved width by width;
-    ``max_rows`` (name -> rows) skips a kernel above its widest (its time there is ``inf``); ``stop_when(timings)``
-    may end the sweep early (the lists then stop at the last width measured)."""
+    """Median ms of each of ``kernels`` (name -> fn(x2d)) at each width of ``rows``; at each width the kernels take
+    turns call by call (after one warm-up call each), so a change in the machine's speed while they are timed (another
+    process, a clock step) moves all of them alike instead of deciding which one looks faster. ``max_rows`` (name ->
+    rows) skips a kernel above its widest (its time there is ``inf``); ``stop_when(timings)`` may end the sweep early
+    (the lists then stop at the last width measured)."""
     max_rows = max_rows or {}
     timings = {name: [] for name in kernels}
     for width in rows:
         x = torch.randn(width, in_features, dtype=dtype)
-        for name, fn in kernels.items():
-            timings[name].append(median_ms(fn, x, repeats) if width <= max_rows.get(name, width) else math.inf)
+        timed = {name: fn for name, fn in kernels.items() if width <= max_rows.get(name, width)}
+        for fn in timed.values():
+            fn(x)
+        times = {name: [] for name in timed}
+        for _ in range(repeats):
+            for name, fn in timed.items():
+                start = time.perf_counter()
+                fn(x)
+                times[name].append(time.perf_counter() - start)
+        for name in kernels:
+            timings[name].append(sorted(times[name])[repeats // 2] * 1000 if name in times else math.inf)
         if stop_when is not None and stop_when(timings):
             break
     return timings

@@ -103,6 +103,9 @@ def test_time_kernels_interleaves_widths_and_stops_when_told():
     assert [len(v) for v in timings.values()] == [3, 3] and all(t >= 0 for v in timings.values() for t in v)
     assert [c for c in calls if c[0] == "a"] == [("a", 1)] * 2 + [("a", 2)] * 2 + [("a", 4)] * 2  # warm-up + 1
     calls.clear()
+    time_kernels(kernels, 8, torch.float32, rows=(1,), repeats=3)  # warm-ups, then the kernels take turns
+    assert [name for name, _ in calls] == ["a", "b"] + ["a", "b"] * 3
+    calls.clear()
     stopped = time_kernels(kernels, 8, torch.float32, rows=CALIBRATION_ROWS, repeats=1,
                            stop_when=lambda t: len(t["a"]) == 2)
     assert [len(v) for v in stopped.values()] == [2, 2] and max(width for _, width in calls) == 2

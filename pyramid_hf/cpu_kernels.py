@@ -9,7 +9,8 @@
 - ``torch.utils.cpp_extension.load``: compiles ``pyramid_hf/csrc/skinny_linear.cpp`` once per machine, a float32
   linear for calls of few rows on AVX2 CPUs (`skinny_linear`); where it cannot be built (no compiler, no AVX2) the
   other kernels serve; and ``pyramid_hf/csrc/skinny_linear_bf16.cpp``, a bf16 linear for calls of few rows on CPUs with
-  AVX512-BF16 (`skinny_linear_bf16`), where a one-token call reads the weights faster than torch's bf16 kernel.
+  AVX512-BF16 (`skinny_linear_bf16`), where a one-token call reads the weights faster than torch's bf16 kernel, and
+  its twin over int8 weights (`skinny_linear_int8`), which unlike torch's int8 kernel uses the bf16 dot products.
   Both include ``csrc/weight_tiles.h`` (how threads split the output features).
 - ``torch.cpu._is_amx_tile_supported`` / ``torch.cpu._is_avx512_bf16_supported``: whether bf16 matmuls run in
   hardware (`native_bf16`).
@@ -146,6 +147,13 @@ def skinny_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """``nn.functional.linear(x, weight, bias)`` for bf16 ``x`` and ``weight`` by the few-row kernel (float32
     sums rounded once to bf16; CPU, no autograd); each output row is the same whatever the number of rows."""
     return _skinny_bf16_extension().skinny_linear_bf16(x, weight, bias)
+
+
+def skinny_linear_int8(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight_int8 * scales[:, None]).T`` for bf16 ``x`` by the few-row kernel (int8 weights widened to bf16 in
+    registers, float32 sums scaled and rounded once to bf16; CPU, no autograd): what `int8_weight_only_matmul`
+    computes, reading the weights once for all rows of a call. Where `skinny_bf16_available`."""
+    return _skinny_bf16_extension().skinny_linear_int8_bf16(x, weight_int8, scales)
 
 
 def native_bf16(device="cpu") -> bool:

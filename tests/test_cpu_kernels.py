@@ -23,6 +23,7 @@ from pyramid_hf.cpu_kernels import (
     skinny_bf16_available,
     skinny_linear,
     skinny_linear_bf16,
+    skinny_linear_int8,
     time_kernels,
 )
 from pyramid_hf.quantize import quantize_rows
@@ -239,6 +240,35 @@ def test_the_few_row_bf16_kernel_rejects_what_it_cannot_compute_and_falls_back_w
     finally:
         monkeypatch.undo()
         cpu_kernels._skinny_bf16_extension.cache_clear()
+
+
+@pytest.mark.parametrize("in_features,out_features", [(64, 40), (37, 11), (896, 13), (8, 4), (49, 5), (96, 48)])
+def test_the_few_row_int8_kernel_computes_x_times_the_dequantized_weight(in_features, out_features):
+    """``skinny_linear_int8`` (in skinny_linear_bf16.cpp): bf16 x times int8 weights with per-row scales, to within one
+    bf16 rounding of the exact product, for every width up to past the widest register tile, with input tails (not a
+    multiple of 32, also under 16 and between 16 and 32) and output tails; each row's bits do not depend on the call's
+    width; and what it computes is what torch's int8 kernel computes."""
+    if not _can_build_skinny_bf16():
+        assert not skinny_bf16_available()
+        return
+    g = torch.Generator().manual_seed(in_features + out_features)
+    weight_int8, scales = quantize_rows(torch.randn(out_features, in_features, generator=g))
+    dequantized = weight_int8.double() * scales.double()[:, None]
+    x = torch.randn(17, in_features, generator=g).bfloat16()
+    alone = torch.cat([skinny_linear_int8(x[i : i + 1], weight_int8, scales) for i in range(17)])
+    for rows in range(1, 18):
+        got = skinny_linear_int8(x[:rows], weight_int8, scales)
+        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+        assert torch.equal(got, alone[:rows]), rows
+        exact = x[:rows].double() @ dequantized.T
+        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5 * math.sqrt(in_features))
+    if in_features % 32 == 0 and out_features % 8 == 0:  # torch's kernel reads blocks (other shapes crash it)
+        torch.testing.assert_close(alone.double(), int8_weight_only_matmul(x, weight_int8, scales).double(),
+                                   rtol=2**-7, atol=1e-4 * math.sqrt(in_features))
+    with pytest.raises(RuntimeError, match="weight must be a 2-d int8 CPU tensor"):
+        skinny_linear_int8(x, weight_int8.float(), scales)
+    with pytest.raises(RuntimeError, match=f"scales must be bfloat16 of {out_features} values"):
+        skinny_linear_int8(x, weight_int8, scales.float())
 
 
 def test_cold_timing_cycles_through_copies_that_outsize_the_cache(monkeypatch):

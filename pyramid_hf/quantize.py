@@ -41,6 +41,9 @@ from .cpu_linear import cold_routed
 
 MODES = ("none", "int8")
 PROBE_ROWS = 1024
+# call widths at which int8 is timed against the float path: the general ones plus 3, 5 and 6, the widths of the
+# qualifier's calls that check 2, 4 or 5 drafted tokens (a 5-row call would otherwise go by the 8-row decision)
+INT8_CALIBRATION_ROWS = tuple(sorted({*CALIBRATION_ROWS, 3, 5, 6}))
 _measured_rows: dict[tuple, int] = {}  # (out, in, dtype) -> max_int8_rows, measured once per process
 
 
@@ -80,7 +83,7 @@ def widest_faster(rows, float_ms, int8_ms) -> int:
 
 
 def measure_max_int8_rows(weight: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor,
-                          rows=CALIBRATION_ROWS, repeats: int = 5, width_kernels: dict | None = None) -> int:
+                          rows=INT8_CALIBRATION_ROWS, repeats: int = 5, width_kernels: dict | None = None) -> int:
     """How wide a call may be for int8 weights to beat the float matmul on this machine (0: never); measured once
     per weight shape, dtype and float routing per process. ``width_kernels``: the routing of the float path the
     layer would take otherwise (`pyramid_hf.cpu_linear.RoutedLinear`; default torch's kernel at every width)."""

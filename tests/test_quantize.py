@@ -10,7 +10,7 @@ from torch import nn
 from pyramid_hf import PyramidAssistant, PyramidConfig
 from pyramid_hf.bench.main import BenchArgs
 from pyramid_hf.quantize import (
-    CALIBRATION_ROWS,
+    INT8_CALIBRATION_ROWS,
     Int8Linear,
     int8_rows_of,
     measure_max_int8_rows,
@@ -142,7 +142,7 @@ def test_auto_width_is_measured_once_per_shape_and_used_by_the_layer(monkeypatch
     weight = torch.randn(64, 48, dtype=torch.bfloat16)
     weight_int8, scales = quantize_rows(weight)
     width = measure_max_int8_rows(weight, weight_int8, scales, repeats=1)
-    assert width == 0 or width in CALIBRATION_ROWS
+    assert width == 0 or width in INT8_CALIBRATION_ROWS
     assert quantize._measured_rows == {(64, 48, torch.bfloat16): width}
     quantize._measured_rows[(64, 48, torch.bfloat16)] = 3  # a second layer of that shape reads the measurement
     linear = nn.Linear(48, 64, bias=False).to(torch.bfloat16)

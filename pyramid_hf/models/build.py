@@ -1,6 +1,6 @@
 """One-command rebuilds of the drafts this project trains itself (the presets whose draft is a local folder).
 
-    pyramid-sd models build qwen-coder-cpu-feature            # ~8 h on 2 CPU cores; resumable
+    pyramid-sd models build qwen-coder-cpu-feature            # ~10 h on 2 CPU cores; resumable
     pyramid-sd models build qwen-coder-cpu-feature --dry_run  # print the plan
 
 A plan is the list of documented commands of recipes/README.md (fetch, train, write completions, train again,
@@ -77,12 +77,13 @@ def _continued(name: str, recipe: str, init_from: str, output_dir: str, seed: in
 _FEATURE = "runs/qwen-coder-cpu-feature"
 _FUSED = "recipes/qwen-coder-cpu-distilled/feature_draft_fused_layers.yaml"
 _SITE_PACKAGES_2 = "recipes/qwen-coder-cpu-distilled/feature_draft_site_packages_2.yaml"
+_SITE_PACKAGES_3 = "recipes/qwen-coder-cpu-distilled/feature_draft_site_packages_3.yaml"
 _DISTILLED = "runs/qwen-coder-cpu-distilled"
 
 PLANS: dict[str, list[BuildStep]] = {
-    # The chain of recipes/README.md that made the best draft (2.35 tokens per 0.5B call at l=4): the three-state
+    # The chain of recipes/README.md that made the best draft (2.42 tokens per 0.5B call at l=4): the three-state
     # draft on the 0.5B's completions of every standard-library prompt, continued with three unrolled passes, then on
-    # its completions of two samples of third-party-package prompts. ~8 h on a 2-core Zen 4 (the times in the names).
+    # its completions of three samples of third-party-package prompts. ~10 h on a 2-core Zen 4 (the times in the names).
     "qwen-coder-cpu-feature": [
         BuildStep("fetch the offline models", ("pyramid-sd", "models", "fetch", "qwen-coder-cpu")),
         _completions("the 0.5B's completions of every standard-library prompt (~57 min)",
@@ -105,9 +106,13 @@ PLANS: dict[str, list[BuildStep]] = {
                      "runs/completions/qwen-coder-0.5b-site-packages-seed1-3500.jsonl", "--prompts",
                      "site-packages-code", "--limit", "3500", "--seed", "1"),
         _feature_run("600 steps on that text (~50 min)", _SITE_PACKAGES_2, f"{_FEATURE}/draft-site-packages-2"),
-        _eval(f"{_FEATURE}/draft-site-packages-2/final", f"{_FEATURE}/acceptance", limit=30),
-        _publish(f"{_FEATURE}/draft-site-packages-2/final", f"{_FEATURE}/acceptance/acceptance.json",
-                 "qwen-coder-cpu-feature/draft", _SITE_PACKAGES_2),
+        _completions("the 0.5B's completions of a third 3500 (~65 min)",
+                     "runs/completions/qwen-coder-0.5b-site-packages-seed2-3500.jsonl", "--prompts",
+                     "site-packages-code", "--limit", "3500", "--seed", "2"),
+        _feature_run("600 steps on that text (~50 min)", _SITE_PACKAGES_3, f"{_FEATURE}/draft-site-packages-3"),
+        _eval(f"{_FEATURE}/draft-site-packages-3/final", f"{_FEATURE}/acceptance", limit=30),
+        _publish(f"{_FEATURE}/draft-site-packages-3/final", f"{_FEATURE}/acceptance/acceptance.json",
+                 "qwen-coder-cpu-feature/draft", _SITE_PACKAGES_3),
     ],
     "qwen-coder-cpu-distilled": [
         BuildStep("fetch the offline models", ("pyramid-sd", "models", "fetch", "qwen-coder-cpu")),

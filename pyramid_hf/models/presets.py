@@ -101,7 +101,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "EAGLE-style; built by a recipe)", _hub("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
            _hub("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
            ModelSpec(None, local_dir=_FEATURE_DRAFT,
-                     build_hint="build it with `pyramid-sd models build qwen-coder-cpu-feature` (~8 h on 2 CPU cores, "
+                     build_hint="build it with `pyramid-sd models build qwen-coder-cpu-feature` (~10 h on 2 CPU cores, "
                                 "resumable; recipes/README.md)"),
            # tuned on HumanEval dev tasks 0-5 with the 2.35-token draft (runs/zen4-sitepk2-test8, 2-core Zen 4): the
            # draft stops after a token it gives < 0.5, the 0.5B's block after one it gives < 0.5, up to 16 tokens;

@@ -43,11 +43,12 @@ class BuildStep:
 
 
 def _publish(model: str, results: str, out: str, recipe: str) -> BuildStep:
+    """Always run (seconds): the folder may hold a draft an earlier version of the plan published."""
     return BuildStep("publish into the preset's cache folder", (
         "pyramid-sd", "publish", "--model", model, "--repo-id", f"ORG/{out.split('/')[0]}-draft",
         "--output-dir", "{cache}/" + out, "--results", results, "--base_model", QUALIFIER, "--teacher", QUALIFIER,
         "--target", TARGET, "--qualifier", QUALIFIER, "--recipe", recipe, "--license", "apache-2.0", "--overwrite",
-    ), "{cache}/" + out + "/README.md")
+    ))
 
 
 def _eval(student: str, out: str, limit: int = 10) -> BuildStep:
@@ -110,8 +111,8 @@ PLANS: dict[str, list[BuildStep]] = {
                      "runs/completions/qwen-coder-0.5b-site-packages-seed2-3500.jsonl", "--prompts",
                      "site-packages-code", "--limit", "3500", "--seed", "2"),
         _feature_run("600 steps on that text (~50 min)", _SITE_PACKAGES_3, f"{_FEATURE}/draft-site-packages-3"),
-        _eval(f"{_FEATURE}/draft-site-packages-3/final", f"{_FEATURE}/acceptance", limit=30),
-        _publish(f"{_FEATURE}/draft-site-packages-3/final", f"{_FEATURE}/acceptance/acceptance.json",
+        _eval(f"{_FEATURE}/draft-site-packages-3/final", f"{_FEATURE}/acceptance-site-packages-3", limit=30),
+        _publish(f"{_FEATURE}/draft-site-packages-3/final", f"{_FEATURE}/acceptance-site-packages-3/acceptance.json",
                  "qwen-coder-cpu-feature/draft", _SITE_PACKAGES_3),
     ],
     "qwen-coder-cpu-distilled": [

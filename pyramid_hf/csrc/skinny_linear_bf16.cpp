@@ -110,16 +110,18 @@ void weight_rows(const uint16_t* x, const W* w, int64_t M, int64_t K, uint16_t* 
     const int mrows = static_cast<int>(std::min<int64_t>(MaxMB, M - m0));
     const uint16_t* xm = x + m0 * K;
     uint16_t* ym = y + m0 * N;
-    switch (mrows) {
-      case 5: tile<NB, (MaxMB >= 5 ? 5 : 1)>(xm, w, K, ym, N, bias, scales, n0, mrows, nrows); break;
-      case 4: tile<NB, 4>(xm, w, K, ym, N, bias, scales, n0, mrows, nrows); break;
-      case 3: tile<NB, 3>(xm, w, K, ym, N, bias, scales, n0, mrows, nrows); break;
-      case 2: tile<NB, 2>(xm, w, K, ym, N, bias, scales, n0, mrows, nrows); break;
-      default: tile<NB, 1>(xm, w, K, ym, N, bias, scales, n0, mrows, nrows);
+    if constexpr (MaxMB >= 5) {
+      if (mrows == 5) {
+        tile<NB, 5>(xm, w, K, ym, N, bias, scales, n0, mrows, nrows);
+        continue;
+      }
     }
+    if (mrows == 4) tile<NB, 4>(xm, w, K, ym, N, bias, scales, n0, mrows, nrows);
+    else if (mrows == 3) tile<NB, 3>(xm, w, K, ym, N, bias, scales, n0, mrows, nrows);
+    else if (mrows == 2) tile<NB, 2>(xm, w, K, ym, N, bias, scales, n0, mrows, nrows);
+    else tile<NB, 1>(xm, w, K, ym, N, bias, scales, n0, mrows, nrows);
   }
 }
-
 
 torch::Tensor check_x(const torch::Tensor& x, int64_t in_features, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensors only");

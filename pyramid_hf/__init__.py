@@ -4,6 +4,7 @@ from .acceptance import DIVERGENCES, RULES
 from .assistant import PyramidAssistant
 from .candidate_generator import PyramidCandidateGenerator
 from .config import PyramidConfig
+from .cpu_attention import use_packed_gqa
 from .feature_draft import FeatureDraft
 from .stats import PyramidStats
 
@@ -18,4 +19,5 @@ __all__ = [
     "PyramidConfig",
     "PyramidStats",
     "__version__",
+    "use_packed_gqa",
 ]

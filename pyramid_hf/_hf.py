@@ -31,6 +31,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
+from .cpu_attention import PACKED_GQA
+
 EXPECTED_SIGNATURES = {
     "_validate_generation_mode": ["self", "generation_mode", "generation_config", "generation_mode_kwargs"],
     "_assisted_decoding": [
@@ -124,7 +126,7 @@ def install() -> None:
 
 
 # ---------------------------------------------------------------------------- draft trees
-TREE_ATTENTION = ("sdpa", "eager")  # implementations that read a custom 4D mask as given
+TREE_ATTENTION = ("sdpa", PACKED_GQA, "eager")  # implementations that read a custom 4D mask as given
 
 
 def supports_tree_attention(model) -> bool:
@@ -139,7 +141,7 @@ def tree_attention_mask(model, allowed: torch.Tensor, device) -> torch.Tensor:
         raise ValueError(f"draft trees need attention that reads a custom mask ({' or '.join(TREE_ATTENTION)}); "
                          f"this model uses {implementation!r}: set draft_branches=1")
     allowed = allowed[None, None].to(device)
-    if implementation == "sdpa":
+    if implementation != "eager":  # SDPA's form
         return allowed
     dtype = model.dtype
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)

@@ -105,7 +105,8 @@ _packed_reserved = [0]  # bytes of prepacked copies promised to routed layers so
 CPU_LINEAR_HELP = ("float32 and bf16 linears on CPU: auto (per call width, the fastest of torch's kernel, oneDNN "
                    "(bf16: on weights packed once, while the copies fit in memory) and the few-row kernel (float32 "
                    "on AVX2, bf16 on AVX512-BF16), measured here), skinny (the few-row kernel up to 16 rows, oneDNN "
-                   "above), onednn (always), torch (never another)")
+                   "above), onednn (always), torch (never another; models also keep Transformers' SDPA attention "
+                   "instead of packing grouped-query heads for few-token calls)")
 DTYPE_HELP = ("model dtype: bfloat16, float32, float16; default: bfloat16 where the hardware multiplies it (GPUs, CPUs "
               "with AMX / AVX512-BF16), float32 elsewhere")
 

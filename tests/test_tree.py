@@ -9,6 +9,7 @@ from tiny import VOCAB, tiny_model
 from pyramid_hf import PyramidAssistant, PyramidConfig
 from pyramid_hf._hf import keep_cache_positions, tree_attention_mask
 from pyramid_hf.acceptance import CHILD_RULES
+from pyramid_hf.cpu_attention import PACKED_GQA
 from pyramid_hf.levels import ModelLevel
 from pyramid_hf.ngram_draft import CorpusNgramDraft, NgramTable, lookup_branches
 from pyramid_hf.stats import PyramidStats
@@ -31,7 +32,7 @@ def test_tree_merges_shared_prefixes_and_keeps_branch_order():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", PACKED_GQA, "eager"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_one_tree_pass_equals_a_pass_per_branch_and_the_kept_path_equals_a_plain_pass(arch, attention, padded):
     model = tiny_model(arch, seed=3)
@@ -86,6 +87,8 @@ def test_tree_mask_forms_and_refusal():
     allowed = torch.tensor([[True, False], [True, True]])
     sdpa, eager = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
     sdpa.config._attn_implementation, eager.config._attn_implementation = "sdpa", "eager"
+    assert tree_attention_mask(sdpa, allowed, "cpu").dtype == torch.bool
+    sdpa.set_attn_implementation(PACKED_GQA)
     assert tree_attention_mask(sdpa, allowed, "cpu").dtype == torch.bool
     additive = tree_attention_mask(eager, allowed, "cpu")
     assert additive.shape == (1, 1, 2, 2) and additive[0, 0, 1, 1] == 0 and additive[0, 0, 0, 1] < -1e30

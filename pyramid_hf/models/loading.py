@@ -97,7 +97,10 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
     ``cpu_linear`` (``"auto"``, ``"skinny"``, ``"onednn"``, ``"torch"``): float32 linears on CPU run their no-grad calls
     on oneDNN or the few-row AVX2 kernel, bf16 ones on oneDNN with weights packed once or the few-row AVX512-BF16
     kernel, where that measured faster than torch's default kernel (`pyramid_hf.cpu_linear`); training is untouched.
+    Unless it is ``"torch"``, a CPU model with grouped-query heads also runs its few-token attention calls packed
+    (`pyramid_hf.cpu_attention`; the same kernel and values, 5-13x faster one-token steps).
     """
+    from ..cpu_attention import use_packed_gqa
     from ..cpu_linear import KERNEL_NAMES, route_linears
 
     loaded = _load(source, resolve_dtype(dtype), device_map, offline_fallback, reduced_vocab)
@@ -106,6 +109,8 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
         routes = "; ".join(f"{KERNEL_NAMES[k]} at call widths {w}" for k, w in routed["kernels"].items())
         dtype_name = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
         loaded.origin += f" ({dtype_name} linears: {routes}, measured on this CPU)"
+    if cpu_linear != "torch" and use_packed_gqa(loaded.model):
+        loaded.origin += " (grouped-query attention packed for few-token calls)"
     return loaded
 
 

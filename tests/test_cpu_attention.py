@@ -81,11 +81,13 @@ def _kv_heads_model(kv_heads):
     return LlamaForCausalLM(config).eval()
 
 
-def test_use_packed_gqa_switches_only_cpu_sdpa_models_with_grouped_heads():
+def test_use_packed_gqa_switches_only_cpu_sdpa_models_with_grouped_heads(tmp_path):
     model = tiny_model("qwen2", 32, 2)
     assert use_packed_gqa(model) and model.config._attn_implementation == PACKED_GQA
     assert model.model.config._attn_implementation == PACKED_GQA
     assert not use_packed_gqa(model)  # already switched
+    model.save_pretrained(tmp_path)  # a saved (published) model does not ask its users for pyramid_hf's attention
+    assert "packed" not in (tmp_path / "config.json").read_text()
     assert not use_packed_gqa(_kv_heads_model(4))  # one key/value head per query head
     eager = tiny_model("llama", 32, 2)
     eager.set_attn_implementation("eager")

@@ -4,12 +4,13 @@ For a one-token decoding step with no mask, Transformers' SDPA path calls
 `torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)` with one query row per head. On CPU that
 kernel walks the cached keys once per query head with a one-row block. Laying the query heads that share a key/value
 head out as rows of one block ("packing") gives the same kernel one pass over the keys per key/value head, at the same
-arithmetic (bf16 inputs, float32 accumulation, the same online softmax). Measured here (2-core Zen 4, bf16, one
-thread, `scaled_dot_product_attention` alone): one query token over 150 / 400 / 1000 cached tokens took 217 / 607 /
-1516 us per layer with `enable_gqa` and 45 / 71 / 140 us packed for Qwen2.5-0.5B's heads (14 query, 2 key/value, 64
-wide); 388 / 1048 / 2644 against 55 / 99 / 204 us for the 1.5B's (12 / 2, 128 wide): 7-13% of a whole one-token
-forward of either model. Calls of 4-16 tokens with a mask (a pyramid's checks) gain up to 1.8x the same way; at 32+
-packed rows the kernel's blocking turns against it, so wider calls (and prefill) keep Transformers' path.
+arithmetic (bf16 inputs, float32 accumulation, the same online softmax; equal up to rounding order). Measured here
+(`python -m pyramid_hf.cpu_attention`: 2-core Zen 4, bf16, 2 threads, alone), one query token over 150 / 400 / 1000
+cached tokens took 154 / 405 / 988 us per layer through Transformers and 29 / 50 / 97 us packed for Qwen2.5-0.5B's
+heads (14 query, 2 key/value, 64 wide); 206 / 663 / 1273 against 30 / 68 / 108 us for the 1.5B's (12 / 2, 128 wide).
+In a one-token forward of the 1.5B over 300 cached tokens, attention went 13.5 -> 3.9 ms of ~140. Calls of 4-16
+tokens with a mask (a pyramid's checks) gain 1.1-2x the same way (up to 7.8x for the 1.5B at 1000 cached tokens); at
+192+ packed rows the kernel's blocking turned against it, so wider calls (and prefill) keep Transformers' path.
 
 `PACKED_GQA` is registered with Transformers' public `AttentionInterface` (its masks built as for SDPA), and
 `use_packed_gqa(model)` switches a CPU model that runs SDPA with grouped-query heads to it. Anything it does not
@@ -19,15 +20,11 @@ a several-token call) goes to Transformers' own SDPA function unchanged.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-logger = logging.getLogger(__name__)
 
 PACKED_GQA = "sdpa_packed_gqa"
 MAX_PACKED_ROWS = 128  # query heads per key/value head x query tokens; measured even at 96-112, 2x slower at 192+

@@ -135,3 +135,15 @@ def test_time_layouts_times_both_paths_per_layout():
     rows = cpu_attention.time_layouts(layouts=((4, 2, 16),), contexts=(20,), tokens=(1, 3), repeats=2)
     assert [(r["context"], r["tokens"]) for r in rows] == [(20, 1), (20, 3)]
     assert all(r["sdpa_us"] > 0 and r["packed_us"] > 0 for r in rows)
+
+
+def test_load_model_packs_cpu_attention_unless_torch_kernels_are_asked_for(tmp_path):
+    from tiny import save_tiny_folders
+
+    from pyramid_hf.models import load_model
+
+    folder = save_tiny_folders(tmp_path, target=tiny_model("qwen2", 32, 2))["target"]
+    plain = load_model(folder, dtype="float32", cpu_linear="torch")
+    assert plain.model.config._attn_implementation == "sdpa" and "attention" not in plain.origin
+    packed = load_model(folder, dtype="float32", cpu_linear="onednn")
+    assert packed.model.config._attn_implementation == PACKED_GQA and "attention packed" in packed.origin

@@ -98,7 +98,8 @@ def load_model(source: str, *, dtype="auto", device_map=None, offline_fallback: 
     on oneDNN or the few-row AVX2 kernel, bf16 ones on oneDNN with weights packed once or the few-row AVX512-BF16
     kernel, where that measured faster than torch's default kernel (`pyramid_hf.cpu_linear`); training is untouched.
     Unless it is ``"torch"``, a CPU model with grouped-query heads also runs its few-token attention calls packed
-    (`pyramid_hf.cpu_attention`; the same kernel and values, 5-13x faster one-token steps).
+    (`pyramid_hf.cpu_attention`: torch's SDPA kernel on the query heads of each key/value head as one block; a
+    one-token step's attention 5-12x faster, values equal up to rounding order).
     """
     from ..cpu_attention import use_packed_gqa
     from ..cpu_linear import KERNEL_NAMES, route_linears

@@ -1,0 +1,1 @@
+../pyramid_hf/cpu_attention.py

@@ -31,8 +31,8 @@ MAX_PACKED_ROWS = 128  # query heads per key/value head x query tokens; measured
 _UNCOVERED_KWARGS = ("softcap", "s_aux", "position_bias")
 
 
-def packs(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
-          dropout: float = 0.0, **kwargs) -> bool:
+def packs(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+          **kwargs) -> bool:
     """Whether `packed_gqa_attention` runs this call itself (else it hands it to Transformers' SDPA function)."""
     batch, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
@@ -53,7 +53,7 @@ def packed_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Transformers' attention-function contract: query (B, H, q, D), key/value (B, H_kv, L, D), a mask in SDPA's
     form (bool, True = attend, or additive float; shared by all heads) -> ((B, q, H, D_v), None)."""
-    if not packs(module, query, key, attention_mask, dropout, **kwargs):
+    if not packs(query, key, attention_mask, dropout, **kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     batch, heads, q_len, dim = query.shape

@@ -42,7 +42,7 @@ def test_packed_attention_equals_transformers_sdpa(heads, kv_heads, q_len, mask_
     mask = None if mask_kind is None else _causal(batch, q_len, kv_len, pad=3 if mask_kind == "padded" else 0,
                                                   additive=mask_kind == "additive")
     module = _Module(heads // kv_heads)
-    assert packs(module, query, key, mask)  # the call below runs the packed path, not the fallback
+    assert packs(query, key, mask)  # the call below runs the packed path, not the fallback
     got, weights = packed_gqa_attention(module, query, key, value, mask, scaling=0.3)
     expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
     assert weights is None and got.shape == expected.shape == (batch, q_len, heads, 16)
@@ -62,14 +62,14 @@ def test_calls_it_does_not_cover_go_to_transformers(monkeypatch):
     module = _Module(2)
     query, key, value = _qkv(1, 4, 2, 3, 10)
     mask = _causal(1, 3, 10)
-    assert not packs(module, query, key, None)  # several tokens and no mask: a causal call
-    assert not packs(module, query, key, mask.repeat(1, 4, 1, 1))  # a mask per head
-    assert not packs(module, query.requires_grad_(), key, mask)  # training
-    assert not packs(module, query.detach(), key, mask, dropout=0.1)
-    assert not packs(module, query.detach(), key, mask, softcap=30.0)
-    assert not packs(_Module(1), *_qkv(1, 4, 4, 3, 10)[:2], mask)  # no grouped heads: nothing to pack
+    assert not packs(query, key, None)  # several tokens and no mask: a causal call
+    assert not packs(query, key, mask.repeat(1, 4, 1, 1))  # a mask per head
+    assert not packs(query.requires_grad_(), key, mask)  # training
+    assert not packs(query.detach(), key, mask, dropout=0.1)
+    assert not packs(query.detach(), key, mask, softcap=30.0)
+    assert not packs(*_qkv(1, 4, 4, 3, 10)[:2], mask)  # no grouped heads: nothing to pack
     wide = _qkv(1, 4, 2, cpu_attention.MAX_PACKED_ROWS // 2 + 1, 80)
-    assert not packs(module, wide[0], wide[1], _causal(1, wide[0].shape[2], 80))
+    assert not packs(wide[0], wide[1], _causal(1, wide[0].shape[2], 80))
     calls = []
     monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(a) or ("sdpa", None))
     assert packed_gqa_attention(module, query.detach(), key, value, None)[0] == "sdpa" and len(calls) == 1

@@ -8,7 +8,8 @@
   3.6 / 12.3 ms on MKL and 2.4 / 4.5 ms on oneDNN.
 - ``torch.utils.cpp_extension.load``: compiles ``pyramid_hf/csrc/skinny_linear.cpp`` once per machine, a float32
   linear for calls of few rows on AVX2 CPUs (`skinny_linear`); where it cannot be built (no compiler, no AVX2) the
-  other kernels serve; and ``pyramid_hf/csrc/skinny_linear_bf16.cpp``, a bf16 linear for calls of few rows on CPUs with
+  other kernels serve, and its twin over int8 weights on float32 activations (`skinny_linear_int8_f32`); and
+  ``pyramid_hf/csrc/skinny_linear_bf16.cpp``, a bf16 linear for calls of few rows on CPUs with
   AVX512-BF16 (`skinny_linear_bf16`), where a one-token call reads the weights faster than torch's bf16 kernel, and
   its twin over int8 weights (`skinny_linear_int8`), which unlike torch's int8 kernel uses the bf16 dot products.
   Both include ``csrc/weight_tiles.h`` (how threads split the output features).
@@ -70,6 +71,22 @@ def onednn_available() -> bool:
         return False
 
 
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack ``dtype`` weights here (`onednn_pack`): its bf16 packing needs AVX512 (BW, VL, DQ) or
+    AVX-NE-CONVERT and raises on other CPUs (an AVX2-only AMD EPYC seen here), so the packed route is offered only
+    where a probe on a tiny weight succeeds."""
+    if not onednn_available():
+        return False
+    try:
+        onednn_pack(torch.zeros(8, 16, dtype=dtype))
+    except RuntimeError as error:
+        logger.info("oneDNN cannot pack %s weights on this CPU (%s): the packed route is not offered", dtype,
+                    str(error).strip().splitlines()[0])
+        return False
+    return True
+
+
 def _build_name(name: str) -> str:
     """``name`` with a digest of the shared headers: torch's build cache keys on the sources' text alone, so an
     edited header gets a build of its own instead of an old one."""
@@ -115,7 +132,7 @@ def _skinny_extension():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         logger.info("few-row float32 kernel not used: this CPU has no AVX2")
         return None
-    return _compile("pyramid_hf_skinny_linear_v1", SKINNY_SOURCE, ["-mavx2", "-mfma"], "few-row float32 CPU kernel")
+    return _compile("pyramid_hf_skinny_linear_v2", SKINNY_SOURCE, ["-mavx2", "-mfma"], "few-row float32 CPU kernel")
 
 
 @functools.cache
@@ -136,6 +153,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``nn.functional.linear(x, weight, bias)`` in float32 by the few-row kernel (CPU, no autograd): each output
     row is computed in the same order whatever the number of rows in the call."""
     return _skinny_extension().skinny_linear(x, weight, bias)
+
+
+def skinny_linear_int8_f32(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight_int8 * scales[:, None]).T`` for float32 ``x`` by the few-row AVX2 kernel (int8 weights widened to
+    float32 in registers, float32 sums scaled once; CPU, no autograd), reading the weights once for all rows of a
+    call; each row is the same whatever the number of rows. Where `skinny_available`."""
+    return _skinny_extension().skinny_linear_int8_f32(x, weight_int8, scales)
 
 
 def skinny_bf16_available() -> bool:

@@ -45,6 +45,7 @@ from .cpu_kernels import (
     onednn_available,
     onednn_linear,
     onednn_pack,
+    onednn_packs,
     skinny_available,
     skinny_bf16_available,
     skinny_linear,
@@ -156,7 +157,12 @@ def run_kernel(kernel: str | None, x: torch.Tensor, weight: torch.Tensor, bias, 
 def forced_kernels(mode: str, dtype: torch.dtype = torch.float32) -> dict:
     """The routing of a mode that does not measure: ``"onednn"`` everywhere, ``"skinny"`` up to its widest (and
     oneDNN above it); bf16, which torch already runs on oneDNN, goes to oneDNN on prepacked weights instead."""
-    wide = ("onednn" if dtype == torch.float32 else "packed") if onednn_available() else None
+    if not onednn_available():
+        wide = None
+    elif dtype == torch.float32:
+        wide = "onednn"
+    else:  # bf16 needs oneDNN's packing, which some CPUs lack (`cpu_kernels.onednn_packs`)
+        wide = "packed" if onednn_packs(dtype) else None
     if mode == "onednn":
         return dict.fromkeys(CALIBRATION_ROWS, wide) if wide else {}
     return {w: "skinny" if w <= SKINNY_MAX_ROWS else wide for w in CALIBRATION_ROWS if w <= SKINNY_MAX_ROWS or wide}
@@ -166,7 +172,7 @@ def measure_kernels(weight: torch.Tensor, rows=CALIBRATION_ROWS, repeats: int = 
     """``{width: kernel}``: where oneDNN (float32; bf16 on prepacked weights unless not ``offer_packed``) or the
     few-row kernel beats torch's default for ``weight`` (float32 or bf16) on this machine."""
     weight = weight.detach()[:PROBE_OUT_FEATURES]
-    offer_packed = offer_packed and weight.dtype == torch.bfloat16 and onednn_available()
+    offer_packed = offer_packed and weight.dtype == torch.bfloat16 and onednn_available() and onednn_packs(weight.dtype)
     key = (*weight.shape, weight.dtype) + (("packed",) if offer_packed else ())
     if key not in _measured:
         kernels = {"torch": cold(nn.functional.linear, weight)}

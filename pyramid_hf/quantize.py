@@ -33,8 +33,10 @@ from .cpu_kernels import (
     CALIBRATION_ROWS,
     cold,
     int8_weight_only_matmul,
+    skinny_available,
     skinny_bf16_available,
     skinny_linear_int8,
+    skinny_linear_int8_f32,
     time_kernels,
 )
 from .cpu_linear import cold_routed
@@ -63,13 +65,24 @@ def check_quantization_flag(flag: str, value: str | None) -> None:
 
 
 def int8_matmul(x2d: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x2d @ (weight_int8 * scales[:, None]).T`` on the int8 kernel `Int8Linear` runs here: the few-row kernel
-    (`pyramid_hf.cpu_kernels.skinny_linear_int8`) on CPUs with AVX512-BF16, torch's elsewhere. Where both run (Zen 4,
-    896 x 4864, one thread) they tie at one row (0.35 ms) and the few-row one is faster from two rows on (5 rows: 0.42
-    against 0.74 ms, bf16 0.70; 8 rows: 0.64 / 0.94 / 0.75): torch's does not use the bf16 dot products."""
+    """``x2d @ (weight_int8 * scales[:, None]).T`` on the int8 kernel `Int8Linear` runs here: a few-row kernel of this
+    package where one is built, torch's elsewhere. On CPUs with AVX512-BF16 the bf16 one
+    (`pyramid_hf.cpu_kernels.skinny_linear_int8`); where both run (Zen 4, 896 x 4864, one thread) they tie at one row
+    (0.35 ms) and the few-row one is faster from two rows on (5 rows: 0.42 against 0.74 ms, bf16 0.70; 8 rows: 0.64 /
+    0.94 / 0.75): torch's does not use the bf16 dot products. On other x86 CPUs with AVX2 the float32 one
+    (`pyramid_hf.cpu_kernels.skinny_linear_int8_f32`): torch's kernel takes bf16 activations, which such CPUs handle in
+    software, and reads the weights again for every row."""
     if skinny_bf16_available():
-        return skinny_linear_int8(x2d.to(torch.bfloat16), weight_int8, scales).to(x2d.dtype)
-    return int8_weight_only_matmul(x2d, weight_int8, scales)
+        return skinny_linear_int8(x2d.to(torch.bfloat16), weight_int8, scales.to(torch.bfloat16)).to(x2d.dtype)
+    if skinny_available():
+        return skinny_linear_int8_f32(x2d.float(), weight_int8, scales).to(x2d.dtype)
+    return int8_weight_only_matmul(x2d, weight_int8, scales.to(torch.bfloat16))
+
+
+def kernel_scales(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` (bf16, from `quantize_rows`) in the dtype `int8_matmul`'s kernel reads here, so no call converts
+    them: float32 for the AVX2 few-row kernel (the same values), bf16 for the others."""
+    return scales.float() if skinny_available() and not skinny_bf16_available() else scales
 
 
 def widest_faster(rows, float_ms, int8_ms) -> int:
@@ -114,9 +127,9 @@ class Int8Linear(nn.Module):
         self.linear = linear
         weight_int8, scales = quantize_rows(linear.weight)
         self.register_buffer("weight_int8", weight_int8, persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("scales", kernel_scales(scales), persistent=False)
         if max_int8_rows == "auto":
-            max_int8_rows = measure_max_int8_rows(linear.weight, weight_int8, scales,
+            max_int8_rows = measure_max_int8_rows(linear.weight, weight_int8, self.scales,
                                                   width_kernels=getattr(linear, "width_kernels", None))
         self.max_int8_rows = _check_rows(max_int8_rows)
         if self.max_int8_rows == 0:  # int8 never wins on this machine: free its copy, keep the float path only

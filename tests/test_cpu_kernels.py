@@ -19,11 +19,13 @@ from pyramid_hf.cpu_kernels import (
     onednn_available,
     onednn_linear,
     onednn_pack,
+    onednn_packs,
     skinny_available,
     skinny_bf16_available,
     skinny_linear,
     skinny_linear_bf16,
     skinny_linear_int8,
+    skinny_linear_int8_f32,
     time_kernels,
 )
 from pyramid_hf.quantize import quantize_rows
@@ -88,6 +90,11 @@ def test_private_onednn_weight_packing_still_gives_the_same_linear(dtype):
         return
     g = torch.Generator().manual_seed(11)
     weight, bias = torch.randn(40, 64, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
+    if not onednn_packs(dtype):  # bf16 packing needs AVX512 or AVX-NE-CONVERT: the probe must say so, not crash
+        assert dtype == torch.bfloat16 and not torch.cpu._is_avx512_bf16_supported()
+        with pytest.raises(RuntimeError):
+            onednn_pack(weight)
+        return
     packed = onednn_pack(weight)
     assert packed.layout == torch._mkldnn and packed.shape == weight.shape
     for rows in (1, 3, 16, 40):
@@ -174,6 +181,40 @@ def test_the_few_row_kernel_rejects_what_it_cannot_compute_and_falls_back_when_u
     finally:
         monkeypatch.undo()
         cpu_kernels._skinny_extension.cache_clear()
+
+
+@pytest.mark.parametrize("in_features,out_features", [(64, 40), (37, 11), (896, 13), (8, 4), (5, 9), (96, 48)])
+def test_the_few_row_float32_int8_kernel_computes_x_times_the_dequantized_weight(in_features, out_features):
+    """``skinny_linear_int8_f32`` (in skinny_linear.cpp, AVX2): float32 x times int8 weights with per-row scales, to
+    float32 rounding of the exact product, for every width up to past the widest register tile, with input tails (not
+    a multiple of 8, also under 8) and output tails (not a multiple of 4); 2D / 3D / strided inputs; each row's bits do
+    not depend on the call's width; and it rejects what it cannot compute."""
+    if not _can_build_skinny():
+        assert not skinny_available()
+        return
+    g = torch.Generator().manual_seed(in_features * 7 + out_features)
+    weight_int8, scales = quantize_rows(torch.randn(out_features, in_features, generator=g))
+    dequantized = weight_int8.double() * scales.double()[:, None]
+    x = torch.randn(17, in_features, generator=g)
+    alone = torch.cat([skinny_linear_int8_f32(x[i : i + 1], weight_int8, scales) for i in range(17)])
+    for rows in range(1, 18):
+        got = skinny_linear_int8_f32(x[:rows], weight_int8, scales)
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        assert torch.equal(got, alone[:rows]), rows
+        torch.testing.assert_close(got.double(), x[:rows].double() @ dequantized.T, rtol=1e-5,
+                                   atol=1e-6 * math.sqrt(in_features))
+    x3 = torch.randn(2, 5, in_features, generator=g)
+    for view in (x3, x3[:, -1:], x3[:, ::2], x3.transpose(0, 1)):
+        torch.testing.assert_close(skinny_linear_int8_f32(view, weight_int8, scales).double(),
+                                   view.double() @ dequantized.T, rtol=1e-5, atol=1e-6 * math.sqrt(in_features))
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        skinny_linear_int8_f32(x.bfloat16(), weight_int8, scales)
+    with pytest.raises(RuntimeError, match="weight must be a 2-d int8 CPU tensor"):
+        skinny_linear_int8_f32(x, weight_int8.float(), scales)
+    with pytest.raises(RuntimeError, match=f"scales must be floating point of {out_features} values"):
+        skinny_linear_int8_f32(x, weight_int8, scales[:-1])
+    with pytest.raises(RuntimeError, match=rf"x's last dim \({in_features + 1}\) must equal"):
+        skinny_linear_int8_f32(torch.randn(2, in_features + 1), weight_int8, scales)
 
 
 def _can_build_skinny_bf16() -> bool:

@@ -16,6 +16,7 @@ from pyramid_hf.cpu_kernels import (
     CALIBRATION_ROWS,
     SKINNY_MAX_ROWS,
     onednn_available,
+    onednn_packs,
     skinny_available,
     skinny_bf16_available,
 )
@@ -84,7 +85,8 @@ def test_route_linears_modes_and_what_it_leaves_alone(monkeypatch):
         route_linears(tiny_model("llama", 32, 2), "mkl")
     assert route_linears(tiny_model("llama", 32, 2), "torch") == {"layers": 0, "kernels": {}}
     bf16_routes = route_linears(tiny_model("llama", 32, 2).to(torch.bfloat16), "onednn")["kernels"]
-    assert bf16_routes == {"packed": list(CALIBRATION_ROWS)}  # bf16: oneDNN on prepacked weights
+    # bf16: oneDNN on prepacked weights, where oneDNN can pack bf16 here (not on AVX2-only CPUs: torch's kernel stays)
+    assert bf16_routes == ({"packed": list(CALIBRATION_ROWS)} if onednn_packs(torch.bfloat16) else {})
     assert route_linears(tiny_model("llama", 32, 2).to(torch.float16), "onednn")["layers"] == 0  # not float16
     model = tiny_model("llama", 32, 2)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
@@ -128,7 +130,7 @@ def test_bf16_layers_on_prepacked_onednn_weights_follow_weight_updates(monkeypat
     dtype move of the weights packs them again, so a stale copy is never read."""
     from pyramid_hf import cpu_linear
 
-    if not onednn_available():
+    if not onednn_available() or not onednn_packs(torch.bfloat16):
         assert forced_kernels("onednn", torch.bfloat16) == {}
         return
     assert forced_kernels("onednn", torch.bfloat16) == dict.fromkeys(CALIBRATION_ROWS, "packed")
@@ -152,6 +154,24 @@ def test_bf16_layers_on_prepacked_onednn_weights_follow_weight_updates(monkeypat
         torch.testing.assert_close(torch.load(io.BytesIO(saved.getvalue()), weights_only=False)(x), layer(x))
         layer.float()
         torch.testing.assert_close(layer(x.float()), nn.functional.linear(x.float(), layer.weight))
+
+
+def test_bf16_layers_stay_on_torch_where_onednn_cannot_pack_bf16(monkeypatch):
+    """oneDNN packs bf16 weights only on CPUs with AVX512 or AVX-NE-CONVERT (elsewhere it raises): there no route, forced
+    or measured, names the packed kernel, and bf16 layers still compute their linear."""
+    from pyramid_hf import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "onednn_packs", lambda dtype: False)
+    monkeypatch.setattr(cpu_linear, "_measured", {})
+    monkeypatch.setattr(cpu_linear, "onednn_pack", lambda *a, **k: pytest.fail("packed on a CPU that cannot"))
+    assert forced_kernels("onednn", torch.bfloat16) == {}
+    assert "packed" not in measure_kernels(torch.randn(48, 32).bfloat16(), rows=(1, 2), repeats=1).values()
+    plain = tiny_model("qwen2", 64, 2, seed=4).to(torch.bfloat16)
+    routed = tiny_model("qwen2", 64, 2, seed=4).to(torch.bfloat16)
+    assert "packed" not in route_linears(routed, "onednn")["kernels"]
+    with torch.no_grad():
+        torch.testing.assert_close(routed(_ids(9)).logits.float(), plain(_ids(9)).logits.float(), rtol=0.05,
+                                   atol=0.05)
 
 
 def test_prepacked_copies_are_offered_only_while_they_fit_in_memory(monkeypatch):

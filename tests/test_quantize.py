@@ -176,11 +176,11 @@ def test_training_dtype_auto_and_the_emulated_bf16_warning(monkeypatch, caplog):
         assert all("bf16 on a CPU without bf16 matrix units" in m for m in warned)
 
 
-@pytest.mark.parametrize("few_row_built", [True, False])
-def test_int8_layers_run_the_few_row_kernel_where_it_is_built(monkeypatch, few_row_built):
-    """`quantize.int8_matmul` (what `Int8Linear` calls): the package's few-row int8 kernel where it is built (CPUs with
-    AVX512-BF16), torch's int8 kernel elsewhere, in the caller's dtype. (Both give the same bits on these inputs, so
-    the test watches which one is called.)"""
+@pytest.mark.parametrize("built", ["bf16", "f32", "none"])
+def test_int8_layers_run_the_few_row_kernel_where_it_is_built(monkeypatch, built):
+    """`quantize.int8_matmul` (what `Int8Linear` calls): the package's few-row bf16 int8 kernel where it is built (CPUs
+    with AVX512-BF16), else its float32 one (AVX2), else torch's int8 kernel; always in the caller's dtype. (All give
+    the same values on these inputs, so the test watches which one is called and on what.)"""
     from pyramid_hf import quantize
 
     called = []
@@ -191,8 +191,10 @@ def test_int8_layers_run_the_few_row_kernel_where_it_is_built(monkeypatch, few_r
             return (x.float() @ (weight_int8.float() * scales.float()[:, None]).T).to(out_dtype or x.dtype)
         return matmul
 
-    monkeypatch.setattr(quantize, "skinny_bf16_available", lambda: few_row_built)
-    monkeypatch.setattr(quantize, "skinny_linear_int8", recording("few-row", torch.bfloat16))
+    monkeypatch.setattr(quantize, "skinny_bf16_available", lambda: built == "bf16")
+    monkeypatch.setattr(quantize, "skinny_available", lambda: built in ("bf16", "f32"))
+    monkeypatch.setattr(quantize, "skinny_linear_int8", recording("few-row bf16", torch.bfloat16))
+    monkeypatch.setattr(quantize, "skinny_linear_int8_f32", recording("few-row f32", torch.float32))
     monkeypatch.setattr(quantize, "int8_weight_only_matmul", recording("torch"))
     weight_int8, scales = quantize_rows(torch.randn(48, 64))
     layer = Int8Linear(nn.Linear(64, 48, bias=False), max_int8_rows=8)
@@ -200,6 +202,6 @@ def test_int8_layers_run_the_few_row_kernel_where_it_is_built(monkeypatch, few_r
         assert quantize.int8_matmul(torch.randn(5, 64).to(dtype), weight_int8, scales).dtype == dtype
     with torch.no_grad():
         layer(torch.randn(3, 64))
-    kernel = "few-row" if few_row_built else "torch"
-    assert called == ([(kernel, torch.bfloat16)] * 3 if few_row_built
-                      else [(kernel, torch.bfloat16), (kernel, torch.float32), (kernel, torch.float32)])
+    assert called == {"bf16": [("few-row bf16", torch.bfloat16)] * 3,
+                      "f32": [("few-row f32", torch.float32)] * 3,
+                      "none": [("torch", torch.bfloat16), ("torch", torch.float32), ("torch", torch.float32)]}[built]

@@ -19,9 +19,11 @@ Lossless: the quantized model only proposes or filters tokens; the target verifi
 weights. Top-1 agreement of the int8 0.5B with its bf16 self was 96% on library code (dynamic int8 activations,
 torch's other CPU path, kept only 75-90%: Qwen's activation outliers), so per-stage acceptance moves a little.
 
-On CPUs with AVX512-BF16 the int8 calls run on the few-row kernel (`int8_matmul`), which widens the int8 weights to
-bf16 in registers and reads them once for all rows of a call; elsewhere on torch's int8 kernel
-(``torch._weight_int8pack_mm``, a private torch API, called only through `pyramid_hf.cpu_kernels`).
+On CPUs with AVX512-BF16 the int8 calls run on a few-row kernel (`int8_matmul`), which widens the int8 weights to
+bf16 in registers and reads them once for all rows of a call; on other x86 CPUs with AVX2 on its float32 twin (on an
+AVX2 EPYC the 0.5B's forward over 1 / 5 / 9 tokens: 50 / 126 / 164 ms on torch's int8 kernel, 44 / 73 / 97 on it);
+elsewhere on torch's int8 kernel (``torch._weight_int8pack_mm``, a private torch API, called only through
+`pyramid_hf.cpu_kernels`). ``python -m pyramid_hf.quantize`` times them on the CPU at hand.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .cpu_kernels import (
     skinny_linear_int8_f32,
     time_kernels,
 )
-from .cpu_linear import cold_routed
+from .cpu_linear import cold_routed, measure_kernels
 
 MODES = ("none", "int8")
 PROBE_ROWS = 1024
@@ -192,3 +194,30 @@ def quantize_model(model: nn.Module, mode: str = "int8", max_int8_rows: int | st
             module.quantize(max_int8_rows)
             changed += 1
     return changed
+
+
+def time_int8_kernels(shapes=((4864, 896), (896, 4864), (8960, 1536), (1536, 8960)), rows=(1, 2, 3, 5, 8, 16, 32),
+                      repeats: int = 21) -> list[dict]:
+    """Median ms of one call per (out, in) float32 weight shape and width, on weights read from memory: the float path
+    `--cpu_linear auto` routes to, torch's int8 kernel, and the int8 kernel `int8_matmul` runs here; they take turns
+    call by call (`time_kernels`). The first shapes are the 0.5B qualifier's MLP, the last the 1.5B's."""
+    results = []
+    for out_features, in_features in shapes:
+        weight = torch.randn(out_features, in_features)
+        weight_int8, scales = quantize_rows(weight)
+        kernels = {"float (routed)": cold_routed(weight, measure_kernels(weight)),
+                   "torch int8": cold(int8_weight_only_matmul, weight_int8, scales),
+                   "int8_matmul": cold(int8_matmul, weight_int8, kernel_scales(scales))}
+        timings = time_kernels(kernels, in_features, torch.float32, rows, repeats)
+        results += [{"shape": f"{out_features} x {in_features}", "rows": width}
+                    | {name: round(times[i], 3) for name, times in timings.items()} for i, width in enumerate(rows)]
+    return results
+
+
+if __name__ == "__main__":  # quick look on this CPU: python -m pyramid_hf.quantize
+    table = time_int8_kernels()
+    names = [key for key in table[0] if key not in ("shape", "rows")]
+    print("| weight (out x in) | rows | " + " | ".join(f"{name} ms" for name in names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for row in table:
+        print(f"| {row['shape']} | {row['rows']} | " + " | ".join(str(row[name]) for name in names) + " |")

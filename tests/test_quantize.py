@@ -205,3 +205,12 @@ def test_int8_layers_run_the_few_row_kernel_where_it_is_built(monkeypatch, built
     assert called == {"bf16": [("few-row bf16", torch.bfloat16)] * 3,
                       "f32": [("few-row f32", torch.float32)] * 3,
                       "none": [("torch", torch.bfloat16), ("torch", torch.float32), ("torch", torch.float32)]}[built]
+
+
+def test_time_int8_kernels_times_every_kernel_at_every_width():
+    from pyramid_hf.quantize import time_int8_kernels
+
+    table = time_int8_kernels(shapes=((24, 40), (8, 16)), rows=(1, 3), repeats=1)
+    assert [(row["shape"], row["rows"]) for row in table] == [("24 x 40", 1), ("24 x 40", 3), ("8 x 16", 1),
+                                                              ("8 x 16", 3)]
+    assert all(row[name] > 0 for row in table for name in ("float (routed)", "torch int8", "int8_matmul"))

@@ -104,6 +104,18 @@ def test_private_onednn_weight_packing_still_gives_the_same_linear(dtype):
         torch.testing.assert_close(onednn_linear(x, packed, bias).double(), expected, rtol=tol, atol=tol * 8)
 
 
+def test_onednn_packs_bf16_exactly_where_the_cpu_flags_allow_it():
+    """``onednn_packs`` probes oneDNN's weight packing once per dtype: float32 wherever oneDNN runs; bf16 only on CPUs
+    with AVX512 BW/VL/DQ or AVX-NE-CONVERT (what oneDNN asks for; an AVX2-only EPYC raised), so routing never offers a
+    packed route that would raise inside a forward."""
+    assert onednn_packs(torch.float32) == onednn_available()
+    cpuinfo = Path("/proc/cpuinfo")
+    if onednn_available() and cpuinfo.is_file():
+        flags = set(next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "").split())
+        expected = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+        assert onednn_packs(torch.bfloat16) == expected
+
+
 def test_time_kernels_interleaves_widths_and_stops_when_told():
     calls = []
     kernels = {"a": lambda x: calls.append(("a", x.shape[0])), "b": lambda x: calls.append(("b", x.shape[0]))}

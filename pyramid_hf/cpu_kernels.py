@@ -132,7 +132,7 @@ def _skinny_extension():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         logger.info("few-row float32 kernel not used: this CPU has no AVX2")
         return None
-    return _compile("pyramid_hf_skinny_linear_v2", SKINNY_SOURCE, ["-mavx2", "-mfma"], "few-row float32 CPU kernel")
+    return _compile("pyramid_hf_skinny_linear_v3", SKINNY_SOURCE, ["-mavx2", "-mfma"], "few-row float32 CPU kernel")
 
 
 @functools.cache

@@ -21,7 +21,7 @@ torch's other CPU path, kept only 75-90%: Qwen's activation outliers), so per-st
 
 On CPUs with AVX512-BF16 the int8 calls run on a few-row kernel (`int8_matmul`), which widens the int8 weights to
 bf16 in registers and reads them once for all rows of a call; on other x86 CPUs with AVX2 on its float32 twin (on an
-AVX2 EPYC the 0.5B's forward over 1 / 5 / 9 tokens: 50 / 126 / 164 ms on torch's int8 kernel, 44 / 73 / 97 on it);
+AVX2 EPYC the 0.5B's forward over 1 / 5 / 9 tokens: 51 / 123 / 170 ms on torch's int8 kernel, 35 / 56 / 85 on it);
 elsewhere on torch's int8 kernel (``torch._weight_int8pack_mm``, a private torch API, called only through
 `pyramid_hf.cpu_kernels`). ``python -m pyramid_hf.quantize`` times them on the CPU at hand.
 """

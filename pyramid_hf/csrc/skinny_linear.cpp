@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "weight_tiles.h"
 
 namespace {
@@ -42,7 +44,14 @@ void tile(const float* x, const W* w, int64_t K, float* y, int64_t N, const floa
   for (int i = 0; i < NB; i++)
     for (int j = 0; j < MB; j++) acc[i][j] = _mm256_setzero_ps();
   const int64_t K8 = K & ~int64_t(7);
+  // int8 weights: the next tile's (NB rows of K, right after these in memory) are fetched at the pace these are read,
+  // since rows this short (896 weights: 14 cache lines) end before the hardware prefetcher gets ahead of them (one-row
+  // 4864 x 896 on a 2-core EPYC: 0.32 -> 0.20 ms). Float32 rows are 4x longer and measured no faster with it.
+  const char* ahead = reinterpret_cast<const char*>(w + NB * K);
+  constexpr bool kPrefetch = std::is_same<W, int8_t>::value;
+  constexpr int kStepBytes = NB * 8 * static_cast<int>(sizeof(W));
   for (int64_t k = 0; k < K8; k += 8) {
+    if (kPrefetch) _mm_prefetch(ahead + k / 8 * kStepBytes, _MM_HINT_T0);
     __m256 xv[MB];
     for (int j = 0; j < MB; j++) xv[j] = _mm256_loadu_ps(x + j * K + k);
     for (int i = 0; i < NB; i++) {

@@ -74,17 +74,26 @@ def int8_matmul(x2d: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tens
     0.94 / 0.75): torch's does not use the bf16 dot products. On other x86 CPUs with AVX2 the float32 one
     (`pyramid_hf.cpu_kernels.skinny_linear_int8_f32`): torch's kernel takes bf16 activations, which such CPUs handle in
     software, and reads the weights again for every row."""
-    if skinny_bf16_available():
+    kernel = int8_kernel()
+    if kernel == "few-row bf16":
         return skinny_linear_int8(x2d.to(torch.bfloat16), weight_int8, scales.to(torch.bfloat16)).to(x2d.dtype)
-    if skinny_available():
+    if kernel == "few-row float32":
         return skinny_linear_int8_f32(x2d.float(), weight_int8, scales).to(x2d.dtype)
     return int8_weight_only_matmul(x2d, weight_int8, scales.to(torch.bfloat16))
+
+
+def int8_kernel() -> str:
+    """The int8 kernel `int8_matmul` runs here, in order of preference: "few-row bf16" (AVX512-BF16), "few-row float32"
+    (AVX2), "torch"."""
+    if skinny_bf16_available():
+        return "few-row bf16"
+    return "few-row float32" if skinny_available() else "torch"
 
 
 def kernel_scales(scales: torch.Tensor) -> torch.Tensor:
     """``scales`` (bf16, from `quantize_rows`) in the dtype `int8_matmul`'s kernel reads here, so no call converts
     them: float32 for the AVX2 few-row kernel (the same values), bf16 for the others."""
-    return scales.float() if skinny_available() and not skinny_bf16_available() else scales
+    return scales.float() if int8_kernel() == "few-row float32" else scales
 
 
 def widest_faster(rows, float_ms, int8_ms) -> int:
